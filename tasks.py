@@ -1,0 +1,239 @@
+"""
+Datasets and verifiers. Every dataset is an iterable of conversations (tokenizer.py's format); a task that
+can be checked has a verifier that returns a float reward.
+
+The offline **synthetic task family** (the tiny preset's data and the tests') is generated deterministically
+from a seed: arithmetic questions and small word problems whose worked answers use the calculator tool and
+end, like GSM8K, with a final line "#### <answer>". The same generator writes the pretraining documents, so
+a tiny base model has seen the language that SFT, DPO and RL later build on. A problem belongs to the train
+or the test split by a hash of its question text, so the held-out split never leaks into any training data.
+"""
+
+import hashlib
+import random
+import re
+import signal
+import threading
+from contextlib import contextmanager
+
+# -----------------------------------------------------------------------------
+# Final answers and the strict verifier shared by GSM8K and the synthetic tasks
+
+MAX_ANSWER_CHARS = 32  # a final answer longer than this is not a number we accept (and costs nothing to reject)
+
+
+def canonical_number(text):
+    """'1,234' -> '1234', '$5.' -> '5', '72.0' -> '72', '-3.50' -> '-3.5'; None if `text` is not a plain number."""
+    text = text.strip().replace(",", "").lstrip("$").rstrip(".")
+    if len(text) > MAX_ANSWER_CHARS or not re.fullmatch(r"-?\d+(\.\d+)?", text):
+        return None
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return "0" if text in ("-0", "") else text
+
+
+def extract_final_answer(completion):
+    """
+    The canonical number after the single '####' marker of a completion, or None. Strict on purpose (RL
+    rewards exactly what is checked): no marker, several markers, or a marker not followed by a plain
+    number on its line all give None.
+    """
+    if completion.count("####") != 1:
+        return None
+    tail = completion.split("####", 1)[1]
+    return canonical_number(tail.split("\n", 1)[0])
+
+
+def exact_match_reward(completion, answer):
+    """1.0 if the completion's single final answer equals the reference `answer` after canonicalisation, else 0.0."""
+    predicted = extract_final_answer(completion)
+    return float(predicted is not None and predicted == canonical_number(str(answer)))
+
+
+class VerifierTimeout(Exception):
+    pass
+
+
+@contextmanager
+def _time_limit(seconds):
+    # SIGALRM interrupts a runaway verifier; signals only reach the main thread, elsewhere we run unguarded.
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise VerifierTimeout(f"verifier took longer than {seconds}s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def safe_reward(task, conversation, completion, timeout=1.0):
+    """
+    (reward, error) for one completion. A verifier that raises, times out or returns something that is not a
+    finite number scores 0.0 with error=True: a broken check must never count as a success.
+    """
+    try:
+        with _time_limit(timeout):
+            reward = float(task.reward(conversation, completion))
+    except Exception:  # noqa: BLE001 - any verifier failure is a 0, counted by the caller
+        return 0.0, True
+    if reward != reward or reward in (float("inf"), float("-inf")):
+        return 0.0, True
+    return reward, False
+
+
+# -----------------------------------------------------------------------------
+# The synthetic task family
+
+NAMES = ["Ava", "Ben", "Cleo", "Dev", "Emma", "Finn", "Gia", "Hugo", "Iris", "Jay", "Kai", "Lena", "Milo", "Nora",
+         "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tara", "Uma", "Vik", "Wren", "Yara", "Zoe"]
+ITEMS = ["apples", "marbles", "stickers", "books", "pencils", "cookies", "shells", "coins", "cards", "stamps",
+         "balloons", "crayons", "beads", "plums", "rocks", "ribbons", "candles", "buttons", "tickets", "cupcakes"]
+GAIN = ["buys {n} more", "finds {n} more", "gets {n} more from a friend", "wins {n} more", "picks {n} more"]
+LOSS = ["gives {n} to a friend", "loses {n}", "sells {n}", "uses {n}", "gives away {n}"]
+OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+KINDS = ("add", "sub", "mul", "story")  # the four problem kinds, drawn with equal probability
+
+
+def _arithmetic(rng, kind):
+    if kind == "add":
+        a, b = rng.randint(0, 50), rng.randint(0, 50)
+        return f"What is {a} + {b}?", [(f"{a}+{b}", a + b)], f"{a} + {b} = {a + b}."
+    if kind == "sub":
+        a = rng.randint(0, 60)
+        b = rng.randint(0, a)
+        return f"What is {a} - {b}?", [(f"{a}-{b}", a - b)], f"{a} - {b} = {a - b}."
+    a, b = rng.randint(2, 9), rng.randint(2, 12)
+    return f"What is {a} * {b}?", [(f"{a}*{b}", a * b)], f"{a} * {b} = {a * b}."
+
+
+def _story(rng):
+    """A two-step word problem: a start amount, then a gain and a loss (or a loss and a gain)."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    start = rng.randint(10, 60)
+    gain, loss = rng.randint(1, 30), rng.randint(1, 9)
+    gain_text = rng.choice(GAIN).format(n=gain)
+    loss_text = rng.choice(LOSS).format(n=loss)
+    question = f"{name} has {start} {item}. {name} {gain_text}, then {loss_text}. How many {item} does {name} have now?"
+    middle = start + gain
+    steps = [(f"{start}+{gain}", middle), (f"{middle}-{loss}", middle - loss)]
+    return question, steps, None
+
+
+def _split_of(question):
+    """'test' for about one question in ten, chosen by a hash of its text (stable across runs and machines)."""
+    return "test" if hashlib.sha256(question.encode()).digest()[0] < 26 else "train"
+
+
+def synthetic_problems(split, seed=0):
+    """
+    An endless, deterministic stream of problems of one split: dicts with kind, question, steps
+    [(expression, value), ...], answer and a plain-text worked solution.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    rng = random.Random(seed)
+    seen = set()
+    while True:
+        kind = rng.choice(KINDS)
+        question, steps, plain = _story(rng) if kind == "story" else _arithmetic(rng, kind)
+        if question in seen or _split_of(question) != split:
+            continue
+        seen.add(question)
+        yield {"kind": kind, "question": question, "steps": steps, "answer": steps[-1][1], "plain": plain}
+
+
+def synthetic_conversation(problem):
+    """
+    The SFT-style conversation of a problem. Arithmetic questions are answered directly; stories are worked
+    step by step with a calculator call per step, whose output the model then copies into its final answer.
+    """
+    answer = problem["answer"]
+    if problem["kind"] != "story":
+        parts = [{"type": "text", "text": f"{problem['plain']}\n#### {answer}"}]
+    else:
+        parts = [{"type": "text", "text": "First, "}]
+        for i, (expr, value) in enumerate(problem["steps"]):
+            if i > 0:
+                parts.append({"type": "text", "text": ". Then, "})
+            parts.append({"type": "python", "text": expr})
+            parts.append({"type": "python_output", "text": str(value)})
+        parts.append({"type": "text", "text": f".\n#### {answer}"})
+    return {"messages": [{"role": "user", "content": problem["question"]},
+                         {"role": "assistant", "content": parts}],
+            "answer": str(answer)}
+
+
+def _document(rng, problems):
+    """One pretraining document: a few worked problems in plain text, or a small table of arithmetic facts."""
+    style = rng.random()
+    if style < 0.25:
+        op, fn = rng.choice(list(OPERATORS.items()))
+        a = rng.randint(0, 12)
+        lines = [f"{a} {op} {b} = {fn(a, b)}" for b in range(rng.randint(0, 5), 13)]
+        return f"Table of {a} {op} n:\n" + "\n".join(lines) + "\n"
+    chunks = []
+    for _ in range(rng.randint(1, 4)):
+        p = next(problems)
+        if p["kind"] == "story":
+            work = " ".join(f"{expr.replace('+', ' + ').replace('-', ' - ')} = {value}." for expr, value in p["steps"])
+        else:
+            work = p["plain"]
+        chunks.append(f"Question: {p['question']}\nAnswer: {work}\n#### {p['answer']}\n")
+    return "\n".join(chunks)
+
+
+def synthetic_documents(n, seed=0, split="train"):
+    """`n` deterministic pretraining documents (str) built from problems of `split` only."""
+    rng = random.Random(f"documents-{seed}")
+    problems = synthetic_problems(split, seed=seed + 1)
+    return [_document(rng, problems) for _ in range(n)]
+
+
+class SyntheticTask:
+    """
+    `size` problems of one split as conversations; `task[i]` ends with the reference assistant answer and
+    carries "answer". `reward` is the strict exact match of the completion's single '####' answer.
+    """
+
+    def __init__(self, split="train", size=1000, seed=0):
+        stream = synthetic_problems(split, seed=seed)
+        self.problems = [next(stream) for _ in range(size)]
+
+    def __len__(self):
+        return len(self.problems)
+
+    def __getitem__(self, i):
+        return synthetic_conversation(self.problems[i])
+
+    def reward(self, conversation, completion):
+        return exact_match_reward(completion, conversation["answer"])
+
+
+# -----------------------------------------------------------------------------
+# Pretraining text by preset
+
+
+def pretraining_texts(preset, split, max_chars=None):
+    """
+    Text documents for tokenizer training and pretraining: the synthetic corpus for `tiny`, FineWeb-Edu for `full`.
+    Stops once `max_chars` characters have been yielded (None: the whole split).
+    """
+    if preset == "tiny":
+        texts = synthetic_documents(20_000 if split == "train" else 1_000, seed=0, split=split)
+    elif preset == "full":
+        texts = fineweb_texts(split)
+    else:
+        raise ValueError(f"unknown preset {preset!r}; expected 'tiny' or 'full'")
+    total = 0
+    for text in texts:
+        yield text
+        total += len(text)
+        if max_chars is not None and total >= max_chars:
+            return
