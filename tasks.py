@@ -237,3 +237,157 @@ def pretraining_texts(preset, split, max_chars=None):
         total += len(text)
         if max_chars is not None and total >= max_chars:
             return
+
+
+# -----------------------------------------------------------------------------
+# Hub datasets. Each loader takes `local`: a path (or list of paths) to .parquet / .jsonl / .json files with the
+# hub dataset's schema. Given, the rows come from there through the same `datasets` code path; otherwise they are
+# downloaded from the Hugging Face hub. Tests and offline machines use `local`.
+
+
+def load_rows(repo, split, config=None, local=None, streaming=False):
+    """Rows (dicts) of a hub dataset split, or of local files of the same schema."""
+    from datasets import load_dataset  # heavy import, only where hub data is used
+
+    if local is None:
+        return load_dataset(repo, config, split=split, streaming=streaming)
+    files = [str(p) for p in ([local] if isinstance(local, (str, bytes)) or not hasattr(local, "__iter__") else local)]
+    builder = "parquet" if files[0].endswith(".parquet") else "json"
+    return load_dataset(builder, data_files=files, split="train", streaming=streaming)
+
+
+FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceFW/fineweb-edu", "sample-10BT"
+FINEWEB_VAL_DOCS = 10_000  # the first documents of the stream are the fixed validation set; training skips them
+
+
+def fineweb_texts(split, local=None):
+    """FineWeb-Edu `text` documents, streamed. 'val' is the first FINEWEB_VAL_DOCS documents, 'train' the rest."""
+    rows = load_rows(FINEWEB_REPO, "train", FINEWEB_CONFIG, local=local, streaming=True)
+    rows = rows.take(FINEWEB_VAL_DOCS) if split == "val" else rows.skip(FINEWEB_VAL_DOCS)
+    for row in rows:
+        yield row["text"]
+
+
+GSM8K_CALL = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
+
+
+def gsm8k_conversation(question, answer):
+    """
+    A GSM8K row as a conversation. Each calculator annotation <<48/2=24>> becomes a real tool call: a python
+    part "48/2" (trained) and its python_output "24" (not trained: at sampling time the engine forces it).
+    The final "#### 72" line stays as text; "answer" holds the reference number for the verifier.
+    """
+    parts = []
+    position = 0
+    for match in GSM8K_CALL.finditer(answer):
+        if match.start() > position:
+            parts.append({"type": "text", "text": answer[position:match.start()]})
+        parts.append({"type": "python", "text": match.group(1)})
+        parts.append({"type": "python_output", "text": match.group(2)})
+        position = match.end()
+    parts.append({"type": "text", "text": answer[position:]})
+    final = answer.rsplit("####", 1)[-1].strip() if "####" in answer else None
+    if final is None or canonical_number(final) is None:
+        raise ValueError(f"GSM8K answer has no '#### <number>' final line: {answer[-60:]!r}")
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": parts}],
+            "answer": final}
+
+
+class GSM8K:
+    """Grade-school math word problems (openai/gsm8k, config 'main'), verified by strict exact match."""
+
+    def __init__(self, split="train", local=None, size=None):
+        rows = load_rows("openai/gsm8k", split, "main", local=local)
+        if size is not None:
+            rows = rows.select(range(min(size, len(rows))))
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        row = self.rows[i]
+        return gsm8k_conversation(row["question"], row["answer"])
+
+    def reward(self, conversation, completion):
+        return exact_match_reward(completion, conversation["answer"])
+
+
+class SmolTalk:
+    """General chat conversations (HuggingFaceTB/smol-smoltalk, `messages` column) for SFT; no verifier."""
+
+    def __init__(self, split="train", local=None, size=None):
+        rows = load_rows("HuggingFaceTB/smol-smoltalk", split, local=local)
+        if size is not None:
+            rows = rows.select(range(min(size, len(rows))))
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"messages": self.rows[i]["messages"]}
+
+
+def preference_pair(chosen, rejected):
+    """
+    {"chosen": conversation, "rejected": conversation} from two message lists that must share every message but
+    the final assistant answer (the prompt), as in UltraFeedback-binarized. Raises ValueError otherwise.
+    """
+    if not chosen or not rejected or chosen[-1].get("role") != "assistant" or rejected[-1].get("role") != "assistant":
+        raise ValueError("chosen and rejected must both end with an assistant message")
+    if chosen[:-1] != rejected[:-1]:
+        raise ValueError("chosen and rejected must share the same prompt messages")
+    if chosen[-1]["content"] == rejected[-1]["content"]:
+        raise ValueError("chosen and rejected answers are identical: nothing to prefer")
+    return {"chosen": {"messages": list(chosen)}, "rejected": {"messages": list(rejected)}}
+
+
+class UltraFeedback:
+    """Preference pairs (HuggingFaceH4/ultrafeedback_binarized, `chosen`/`rejected` message lists) for DPO."""
+
+    def __init__(self, split="train_prefs", local=None, size=None):
+        rows = load_rows("HuggingFaceH4/ultrafeedback_binarized", split, local=local)
+        if size is not None:
+            rows = rows.select(range(min(size, len(rows))))
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return preference_pair(self.rows[i]["chosen"], self.rows[i]["rejected"])
+
+
+LETTERS = "ABCDEFGHIJ"
+
+
+class MultipleChoice:
+    """
+    ARC-Easy, ARC-Challenge (allenai/ai2_arc) and MMLU (cais/mmlu, config 'all') as items
+    {"question", "choices": [str], "answer": index of the right choice, "subject"}.
+    """
+
+    SOURCES = {"arc-easy": ("allenai/ai2_arc", "ARC-Easy"), "arc-challenge": ("allenai/ai2_arc", "ARC-Challenge"),
+               "mmlu": ("cais/mmlu", "all")}
+
+    def __init__(self, name, split="test", local=None, size=None):
+        if name not in self.SOURCES:
+            raise ValueError(f"unknown multiple-choice task {name!r}; expected one of {sorted(self.SOURCES)}")
+        repo, config = self.SOURCES[name]
+        rows = load_rows(repo, split, config, local=local)
+        if size is not None:
+            rows = rows.select(range(min(size, len(rows))))
+        self.name, self.rows = name, rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        row = self.rows[i]
+        if self.name == "mmlu":
+            return {"question": row["question"], "choices": list(row["choices"]), "answer": int(row["answer"]),
+                    "subject": row["subject"]}
+        labels = list(row["choices"]["label"])
+        return {"question": row["question"], "choices": list(row["choices"]["text"]),
+                "answer": labels.index(row["answerKey"]), "subject": self.name}
