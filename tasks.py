@@ -245,15 +245,19 @@ def pretraining_texts(preset, split, max_chars=None):
 # downloaded from the Hugging Face hub. Tests and offline machines use `local`.
 
 
-def load_rows(repo, split, config=None, local=None, streaming=False):
-    """Rows (dicts) of a hub dataset split, or of local files of the same schema."""
+def load_rows(repo, split, config=None, local=None, streaming=False, size=None):
+    """Rows (dicts) of a hub dataset split, or of local files of the same schema; the first `size` rows if given."""
     from datasets import load_dataset  # heavy import, only where hub data is used
 
     if local is None:
-        return load_dataset(repo, config, split=split, streaming=streaming)
-    files = [str(p) for p in ([local] if isinstance(local, (str, bytes)) or not hasattr(local, "__iter__") else local)]
-    builder = "parquet" if files[0].endswith(".parquet") else "json"
-    return load_dataset(builder, data_files=files, split="train", streaming=streaming)
+        rows = load_dataset(repo, config, split=split, streaming=streaming)
+    else:
+        files = [str(local)] if isinstance(local, (str, bytes)) or not hasattr(local, "__iter__") else [str(p) for p in local]
+        builder = "parquet" if files[0].endswith(".parquet") else "json"
+        rows = load_dataset(builder, data_files=files, split="train", streaming=streaming)
+    if size is None:
+        return rows
+    return rows.take(size) if streaming else rows.select(range(min(size, len(rows))))
 
 
 FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceFW/fineweb-edu", "sample-10BT"
@@ -297,10 +301,7 @@ class GSM8K:
     """Grade-school math word problems (openai/gsm8k, config 'main'), verified by strict exact match."""
 
     def __init__(self, split="train", local=None, size=None):
-        rows = load_rows("openai/gsm8k", split, "main", local=local)
-        if size is not None:
-            rows = rows.select(range(min(size, len(rows))))
-        self.rows = rows
+        self.rows = load_rows("openai/gsm8k", split, "main", local=local, size=size)
 
     def __len__(self):
         return len(self.rows)
@@ -317,10 +318,7 @@ class SmolTalk:
     """General chat conversations (HuggingFaceTB/smol-smoltalk, `messages` column) for SFT; no verifier."""
 
     def __init__(self, split="train", local=None, size=None):
-        rows = load_rows("HuggingFaceTB/smol-smoltalk", split, local=local)
-        if size is not None:
-            rows = rows.select(range(min(size, len(rows))))
-        self.rows = rows
+        self.rows = load_rows("HuggingFaceTB/smol-smoltalk", split, local=local, size=size)
 
     def __len__(self):
         return len(self.rows)
@@ -347,10 +345,7 @@ class UltraFeedback:
     """Preference pairs (HuggingFaceH4/ultrafeedback_binarized, `chosen`/`rejected` message lists) for DPO."""
 
     def __init__(self, split="train_prefs", local=None, size=None):
-        rows = load_rows("HuggingFaceH4/ultrafeedback_binarized", split, local=local)
-        if size is not None:
-            rows = rows.select(range(min(size, len(rows))))
-        self.rows = rows
+        self.rows = load_rows("HuggingFaceH4/ultrafeedback_binarized", split, local=local, size=size)
 
     def __len__(self):
         return len(self.rows)
@@ -375,10 +370,7 @@ class MultipleChoice:
         if name not in self.SOURCES:
             raise ValueError(f"unknown multiple-choice task {name!r}; expected one of {sorted(self.SOURCES)}")
         repo, config = self.SOURCES[name]
-        rows = load_rows(repo, split, config, local=local)
-        if size is not None:
-            rows = rows.select(range(min(size, len(rows))))
-        self.name, self.rows = name, rows
+        self.name, self.rows = name, load_rows(repo, split, config, local=local, size=size)
 
     def __len__(self):
         return len(self.rows)
