@@ -187,6 +187,11 @@ def resolve_checkpoint(ckpt_dir, step=None):
     return path
 
 
+def has_checkpoint(ckpt_dir):
+    ckpt_dir = Path(ckpt_dir)
+    return (ckpt_dir / "meta.json").exists() or (ckpt_dir / "latest").exists()
+
+
 def load_checkpoint(ckpt_dir, step=None, device="cpu"):
     """(model_state_dict, meta, extra_or_None) of a checkpoint; tensors are mapped to `device`."""
     path = resolve_checkpoint(ckpt_dir, step)

@@ -16,6 +16,8 @@ import signal
 import threading
 from contextlib import contextmanager
 
+import torch
+
 # -----------------------------------------------------------------------------
 # Final answers and the strict verifier shared by GSM8K and the synthetic tasks
 
@@ -214,6 +216,29 @@ class SyntheticTask:
 
     def reward(self, conversation, completion):
         return exact_match_reward(completion, conversation["answer"])
+
+
+# -----------------------------------------------------------------------------
+# Batching rendered sequences
+
+
+def collate(rows, pad_id):
+    """
+    Right-pad rendered sequences into next-token-prediction tensors. `rows` is a list of (ids, mask) as from
+    Tokenizer.render_conversation (mask[i] == 1: token i is a training target). Returns (inputs, targets), both
+    LongTensor (B, L - 1) with L the longest row: inputs[b, t] = ids[t] and targets[b, t] = ids[t + 1] where
+    mask[t + 1] == 1, else -1 (ignored by the loss, as is all padding). Nothing is ever cropped.
+    """
+    length = max(len(ids) for ids, _ in rows)
+    inputs = torch.full((len(rows), length - 1), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), length - 1), -1, dtype=torch.long)
+    for b, (ids, mask) in enumerate(rows):
+        if len(ids) != len(mask):
+            raise ValueError(f"row {b}: {len(ids)} ids but {len(mask)} mask entries")
+        ids_t, mask_t = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+        inputs[b, :len(ids) - 1] = ids_t[:-1]
+        targets[b, :len(ids) - 1] = torch.where(mask_t[1:], ids_t[1:], -1)
+    return inputs, targets
 
 
 # -----------------------------------------------------------------------------
