@@ -1,0 +1,413 @@
+"""
+Generation: the KV cache, the sampling distribution, the calculator tool, and a chat CLI.
+
+    python engine.py --ckpt ~/.cache/nanopost/checkpoints/sft                    # chat (streaming, multi-turn)
+    python engine.py --ckpt ~/.cache/nanopost/checkpoints/sft --prompt "What is 12*7?"   # answer once and exit
+
+Engine.generate(prompts, num_samples): each prompt is prefilled once (batch 1) and its cache copied into its
+num_samples rows; then every row of every prompt decodes together, one token per step, each row at its own
+position. A row stops at <|assistant_end|> (or <|bos|>) or after max_tokens tokens. When a row closes a calculator
+call <|python_start|>expr<|python_end|>, the engine evaluates expr and forces <|output_start|>result<|output_end|>
+into that row, one token per step, with mask 0 (the model never chose them, so RL must not train on them).
+"""
+
+import argparse
+import ast
+import operator
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# KV cache
+
+
+class KVCache:
+    """
+    Keys and values of every layer for B rows that may hold different numbers of tokens (prompts of different
+    lengths decoding in one batch). Row b holds lengths[b] tokens in slots 0 .. lengths[b]-1; new tokens take the
+    next slots, their rotary position is their slot, and each sees exactly the slots <= its own.
+    Per-layer storage (B, max_len, n_kv_head, head_dim) is allocated on the first insert, in the dtype the model
+    computes in (bf16 under autocast). GPT.forward calls positions, attn_mask, insert (per layer) and advance.
+    """
+
+    def __init__(self, batch_size, max_len, n_layer, device):
+        self.max_len = max_len
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) tokens cached per row
+        self.filled = 0  # max(lengths), kept on the host so that no step waits on the device to know it
+        self.keys = [None] * n_layer  # per layer (B, max_len, n_kv_head, head_dim)
+        self.values = [None] * n_layer
+
+    @classmethod
+    def from_prefills(cls, prefills, repeats, max_len):
+        """
+        One cache for len(prefills) * repeats rows: rows i*repeats .. (i+1)*repeats - 1 start as copies of
+        prefills[i] (a batch-1 cache holding prompt i), with room for max_len tokens per row.
+        """
+        first = prefills[0]
+        cache = cls(len(prefills) * repeats, max_len, len(first.keys), first.lengths.device)
+        cache.lengths = torch.cat([p.lengths for p in prefills]).repeat_interleave(repeats)
+        cache.filled = max(p.filled for p in prefills)
+        for layer in range(len(first.keys)):
+            for name in ("keys", "values"):
+                src = getattr(first, name)[layer]  # (1, len(prompt 0), n_kv_head, head_dim)
+                store = src.new_zeros(cache.lengths.size(0), max_len, *src.shape[2:])
+                for i, p in enumerate(prefills):
+                    store[i * repeats:(i + 1) * repeats, :p.filled] = getattr(p, name)[layer][:, :p.filled]
+                getattr(cache, name)[layer] = store
+        return cache
+
+    def positions(self, T):
+        """(B, T) positions of the next T tokens of each row: lengths[b] + t."""
+        return self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
+
+    def attn_mask(self, T):
+        """(B, 1, T, S), S = filled + T: True where query t of row b may attend to slot j, i.e. j <= lengths[b] + t."""
+        slots = torch.arange(self.filled + T, device=self.lengths.device)  # (S,)
+        return (slots <= self.positions(T)[:, :, None]).unsqueeze(1)
+
+    def insert(self, layer, k, v):
+        """
+        Write k, v (B, T, n_kv_head, head_dim) into each row's next T slots; return the layer's keys and values
+        (B, S, n_kv_head, head_dim) for slots 0 .. filled + T - 1 (slots past a row's length are masked out).
+        """
+        B, T = k.shape[:2]
+        if self.filled + T > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens per row; {self.filled} + {T} do not fit")
+        if self.keys[layer] is None:
+            self.keys[layer] = k.new_zeros(B, self.max_len, *k.shape[2:])
+            self.values[layer] = v.new_zeros(B, self.max_len, *v.shape[2:])
+        rows = torch.arange(B, device=k.device)[:, None]  # (B, 1)
+        slots = self.positions(T)  # (B, T)
+        self.keys[layer][rows, slots] = k
+        self.values[layer][rows, slots] = v
+        S = self.filled + T
+        return self.keys[layer][:, :S], self.values[layer][:, :S]
+
+    def advance(self, T):
+        """Called once per forward, after the last layer: every row now holds T more tokens."""
+        self.lengths += T
+        self.filled += T
+
+
+# -----------------------------------------------------------------------------
+# The sampling distribution
+
+
+def sampling_logprobs(logits, temperature=1.0, top_k=None, top_p=None):
+    """
+    Log-probabilities (..., V) of the distribution the engine samples from, given logits (..., V):
+        p = softmax(logits / temperature) restricted to the kept tokens and renormalised,
+    kept tokens = the top_k largest (ties with the k-th are kept too), then of those the nucleus: the smallest
+    set of most likely tokens whose probability sums to >= top_p (the most likely token is always kept).
+    Removed tokens get -inf. temperature=0 is greedy: the delta distribution on the argmax (log-prob 0.0 there,
+    -inf elsewhere), so a greedy token's log-prob is 0.0. The engine samples with it and rl.py re-scores with
+    it: one definition, so the two agree exactly.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 (or None for no limit), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (or None for no limit), got {top_p}")
+    logits = logits.float()
+    if temperature == 0:
+        greedy = F.one_hot(logits.argmax(-1), logits.size(-1)).bool()
+        return torch.zeros_like(logits).masked_fill(~greedy, float("-inf"))
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # probability of the strictly more likely tokens
+        # mass_before of the top token is 0 < top_p: it is always kept
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = sorted_logits.scatter(-1, order, sorted_logits)  # back to vocabulary order
+    return logits.log_softmax(-1)
+
+
+# -----------------------------------------------------------------------------
+# Calculator tool
+
+MAX_EXPR_CHARS = 200  # longer "expressions" are refused before parsing
+MAX_EXPONENT = 100  # |b| in a ** b
+MAX_MAGNITUDE = 10**30  # |value| of every literal and intermediate result
+_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY_OPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+class CalculatorError(Exception):
+    pass
+
+
+def calculator(expr):
+    """
+    Evaluate an arithmetic expression: int/float literals, + - * / // % **, unary + -, parentheses; nothing else
+    (no names, calls, attributes, strings, containers). Returns the result as text ("4", "0.3", "2.5") or
+    "error: <reason>"; never raises. Time and memory stay small: the input is at most MAX_EXPR_CHARS characters,
+    every literal and intermediate result is at most MAX_MAGNITUDE in absolute value and exponents at most
+    MAX_EXPONENT, so the largest number ever built is about 10**3000 (a few kB).
+    """
+    if not isinstance(expr, str):
+        return f"error: expected a str expression, got {type(expr).__name__}"
+    if len(expr) > MAX_EXPR_CHARS:
+        return f"error: expression longer than {MAX_EXPR_CHARS} characters"
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+        return _format_number(_evaluate(tree.body))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return "error: invalid expression"
+    except ZeroDivisionError:
+        return "error: division by zero"
+    except OverflowError:
+        return "error: result too large"
+    except CalculatorError as e:
+        return f"error: {e}"
+
+
+def _evaluate(node):
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # type(): bool and complex are refused
+        return _bounded(node.value)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
+        return _UNARY_OPS[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise CalculatorError(f"exponent larger than {MAX_EXPONENT}")
+        return _bounded(_BINARY_OPS[type(node.op)](left, right))
+    raise CalculatorError(f"unsupported syntax ({type(node).__name__}); only numbers, + - * / // % ** and parentheses")
+
+
+def _bounded(value):
+    if isinstance(value, complex):  # e.g. (-8) ** 0.5
+        raise CalculatorError("complex result")
+    if not abs(value) <= MAX_MAGNITUDE:  # `not <=` also catches nan
+        raise OverflowError
+    return value
+
+
+def _format_number(value):
+    """Integers as integers, floats rounded to 15 significant digits (DBL_DIG), which drops float noise:
+    0.1+0.2 -> "0.3", 8/2 -> "4", 1/3 -> "0.333333333333333"."""
+    if isinstance(value, float):
+        value = float(f"{value:.15g}")
+        if value.is_integer() and abs(value) < 2**53:  # exactly representable: print as an integer
+            return str(int(value))
+        return repr(value)
+    return str(value)
+
+
+# -----------------------------------------------------------------------------
+# Engine
+
+
+@dataclass
+class Completion:
+    """One generated continuation: one entry per token after the prompt, the closing stop token included."""
+    tokens: list = field(default_factory=list)
+    mask: list = field(default_factory=list)  # 1: sampled by the model, 0: forced tool output
+    logprobs: list = field(default_factory=list)  # sampled: log-prob under sampling_logprobs(...); forced: 0.0
+    finish: str | None = None  # "stop" (emitted a stop token) or "length" (hit max_tokens); None while generating
+
+
+@dataclass
+class _Row:
+    """A row of the decode batch: its Completion plus the calculator state."""
+    completion: Completion = field(default_factory=Completion)
+    forced: deque = field(default_factory=deque)  # tool-output tokens to force on the next steps
+    python: list | None = None  # tokens since an open <|python_start|>; None outside a calculator call
+
+
+class Engine:
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop_ids = {tokenizer.token_id("<|assistant_end|>"), tokenizer.bos_id}
+        self.python_start = tokenizer.token_id("<|python_start|>")
+        self.python_end = tokenizer.token_id("<|python_end|>")
+        self.output_start = tokenizer.token_id("<|output_start|>")
+        self.output_end = tokenizer.token_id("<|output_end|>")
+
+    def generate(self, prompts, num_samples=1, max_tokens=256, temperature=1.0, top_k=None, top_p=None, seed=None):
+        """
+        Sample num_samples completions of each prompt (a list of token ids). Returns one list of num_samples
+        Completions per prompt. temperature=0 is greedy. Same seed, same prompts and settings -> same completions.
+        """
+        for rows in self._decode(prompts, num_samples, max_tokens, temperature, top_k, top_p, seed):
+            pass  # rows are filled in place; the last step leaves them all finished
+        return [rows[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+
+    def generate_stream(self, prompt, max_tokens=256, temperature=1.0, top_k=None, top_p=None, seed=None):
+        """Yield the token ids of one completion of `prompt` as they are generated (forced tool tokens included)."""
+        emitted = 0
+        for (completion,) in self._decode([prompt], 1, max_tokens, temperature, top_k, top_p, seed):
+            yield from completion.tokens[emitted:]
+            emitted = len(completion.tokens)
+
+    @torch.inference_mode()
+    def _decode(self, prompts, num_samples, max_tokens, temperature, top_k, top_p, seed):
+        """The decoding loop of generate and generate_stream: yields all rows' Completions after each step."""
+        model = self.model
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("got an empty prompt list or an empty prompt; every prompt needs at least one token "
+                             "(usually <|bos|>)")
+        if num_samples < 1 or max_tokens < 1:
+            raise ValueError(f"num_samples and max_tokens must be >= 1, got {num_samples} and {max_tokens}")
+        max_len = max(map(len, prompts)) + max_tokens
+        if max_len > model.rotary_len:
+            raise ValueError(f"longest prompt + max_tokens = {max_len} tokens exceeds the model's "
+                             f"{model.rotary_len} positions")
+        device = model.lm_head.weight.device
+        generator = torch.Generator(device=device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+
+        # Prefill each prompt once; its num_samples rows share the cache and the next-token logits.
+        prefills, last_logits = [], []
+        for prompt in prompts:
+            cache = KVCache(1, len(prompt), model.config.n_layer, device)
+            last_logits.append(model(torch.tensor([prompt], device=device), kv_cache=cache)[:, -1])  # (1, V)
+            prefills.append(cache)
+        kv_cache = KVCache.from_prefills(prefills, num_samples, max_len)
+        logits = torch.cat(last_logits).repeat_interleave(num_samples, dim=0)  # (B, V)
+
+        rows = [_Row() for _ in range(len(prompts) * num_samples)]
+        while True:
+            logprobs = sampling_logprobs(logits, temperature, top_k, top_p)  # (B, V)
+            if temperature == 0:
+                sampled = logprobs.argmax(-1)  # (B,)
+            else:
+                sampled = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
+            sampled_logprobs = logprobs.gather(1, sampled[:, None]).squeeze(1)  # (B,)
+            for row, token, logprob in zip(rows, sampled.tolist(), sampled_logprobs.tolist()):
+                if row.completion.finish is None:
+                    self._step_row(row, token, logprob, max_tokens)
+            yield [row.completion for row in rows]
+            if all(row.completion.finish is not None for row in rows):
+                return
+            # Every row feeds its last token; a finished row's outputs are never read, so the batch keeps its shape.
+            next_ids = torch.tensor([[row.completion.tokens[-1]] for row in rows], device=device)  # (B, 1)
+            logits = model(next_ids, kv_cache=kv_cache)[:, -1]  # (B, V)
+
+    def _step_row(self, row, sampled, logprob, max_tokens):
+        """
+        Append one token to an unfinished row: the next forced tool-output token if any is queued (mask 0,
+        log-prob 0.0), else the sampled one. Closing a calculator call queues its output; a stop token or
+        max_tokens finishes the row.
+        """
+        c = row.completion
+        if row.forced:
+            token, mask, logprob = row.forced.popleft(), 0, 0.0
+        else:
+            token, mask = sampled, 1
+        c.tokens.append(token)
+        c.mask.append(mask)
+        c.logprobs.append(logprob)
+        if token == self.python_start:
+            row.python = []
+        elif token == self.python_end and row.python is not None:
+            result = calculator(self.tokenizer.decode(row.python))
+            row.forced.extend([self.output_start, *self.tokenizer.encode(result), self.output_end])
+            row.python = None
+        elif row.python is not None:
+            row.python.append(token)
+        if token in self.stop_ids:
+            c.finish = "stop"
+        elif len(c.tokens) >= max_tokens:
+            c.finish = "length"
+
+
+# -----------------------------------------------------------------------------
+# Chat CLI
+
+
+def assistant_content(tokenizer, tokens):
+    """
+    The assistant message of generated tokens, as content parts for the conversation: text, python (between
+    <|python_start|> and <|python_end|>) and python_output (between <|output_start|> and <|output_end|>); the
+    stop token is dropped.
+    """
+    openers = {tokenizer.token_id("<|python_start|>"): "python",
+               tokenizer.token_id("<|output_start|>"): "python_output"}
+    boundaries = set(openers) | {tokenizer.token_id(name) for name in
+                                 ("<|python_end|>", "<|output_end|>", "<|assistant_end|>", "<|bos|>")}
+    parts, kind, run = [], "text", []
+    for token in [*tokens, None]:  # None flushes the last run
+        if token is not None and token not in boundaries:
+            run.append(token)
+            continue
+        if run:
+            parts.append({"type": kind, "text": tokenizer.decode(run)})
+        kind, run = openers.get(token, "text"), []
+    return parts or [{"type": "text", "text": ""}]
+
+
+def main():
+    import common  # here, so that importing engine.py needs only torch
+
+    parser = argparse.ArgumentParser(description="Chat with a checkpoint (streaming). "
+                                                 "Type 'clear' to start over, 'quit' to leave.")
+    parser.add_argument("--ckpt", required=True, help="checkpoint folder, e.g. ~/.cache/nanopost/checkpoints/sft")
+    parser.add_argument("--prompt", default=None, help="answer this one message and exit")
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
+    args = parser.parse_args()
+
+    device = torch.device(args.device or common.autodetect_device())
+    try:
+        model, tokenizer, meta = common.load_model(args.ckpt, device)
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
+    print(f"loaded {args.ckpt} (step {meta.get('step')}, {model.num_params():,} parameters) on {device}",
+          file=sys.stderr)
+    engine = Engine(model, tokenizer)
+    conversation = {"messages": []}
+    while True:
+        if args.prompt is not None:
+            text = args.prompt
+        else:
+            try:
+                text = input("\nUser: ").strip()
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return
+            if text in ("quit", "exit"):
+                return
+            if text == "clear":
+                conversation = {"messages": []}
+                continue
+            if not text:
+                continue
+        conversation["messages"].append({"role": "user", "content": text})
+        prompt = tokenizer.render_for_completion(conversation)
+        print("" if args.prompt is not None else "Assistant: ", end="", flush=True)
+        tokens, shown = [], ""
+        with common.autocast_ctx(device):
+            stream = engine.generate_stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+            for token in stream:
+                tokens.append(token)
+                reply = tokenizer.decode([t for t in tokens if t not in engine.stop_ids])
+                if not reply.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                    print(reply[len(shown):], end="", flush=True)
+                    shown = reply
+        print()
+        if args.prompt is not None:
+            return
+        conversation["messages"].append({"role": "assistant", "content": assistant_content(tokenizer, tokens)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""
+A small modern GPT, sized by one dial: `depth` (GPTConfig.from_depth).
+
+Per block (pre-norm residual):  x = x + Attn(norm(x));  x = x + MLP(norm(x))
+- norm: RMSNorm without learnable parameters, also applied right after the token embedding and before lm_head.
+- Attn: rotary position embeddings (RoPE), RMS-normalised queries and keys (QK-norm), grouped-query attention
+  (n_kv_head key/value heads shared by n_head query heads).
+- MLP: Linear(d, 4d) -> ReLU(x)^2 -> Linear(4d, d).
+- No biases anywhere; token embedding and lm_head are separate matrices; logits are soft-capped: 15 * tanh(z / 15).
+
+Incremental decoding goes through a key/value cache (engine.KVCache) whose rows may hold different numbers of tokens.
+forward() only uses its methods positions / attn_mask / insert / advance and its `filled` count, so this file does
+not import engine.py.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LOGIT_SOFTCAP = 15.0  # logits = cap * tanh(z / cap): bounded in (-15, 15), ~identity for small z
+ROTARY_MARGIN = 10  # rotary tables cover sequence_len * 10 positions: generation may run past the training length
+
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 2048  # training context length
+    vocab_size: int = 32768
+    n_layer: int = 12
+    n_head: int = 6  # query heads
+    n_kv_head: int = 6  # key/value heads; n_head must be a multiple (n_kv_head < n_head is grouped-query attention)
+    n_embd: int = 768
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"head_dim={self.n_embd // self.n_head} is odd; rotary embeddings rotate pairs of dims")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not a multiple of n_kv_head={self.n_kv_head}")
+
+    @classmethod
+    def from_depth(cls, depth, vocab_size, sequence_len=2048, aspect_ratio=64, head_dim=64):
+        """
+        The one-dial model family: n_layer = depth, n_embd = depth * aspect_ratio rounded up to a multiple of
+        head_dim, n_head = n_kv_head = n_embd / head_dim. Width grows linearly with depth, so parameters grow
+        ~ depth^3 (12 * depth * n_embd^2 in the blocks). E.g. depth 4 -> n_embd 256, 4 heads; depth 20 -> 1280,
+        20 heads.
+        """
+        n_embd = math.ceil(depth * aspect_ratio / head_dim) * head_dim
+        n_head = n_embd // head_dim
+        return cls(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                   n_kv_head=n_head, n_embd=n_embd)
+
+
+def norm(x):
+    """RMSNorm without learnable scale: x / sqrt(mean(x^2) + eps) over the last dim."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary(x, cos, sin):
+    """
+    Rotate each pair (x1[i], x2[i]) = (x[..., i], x[..., i + D/2]) by the angle pos * theta_i:
+        y1 = x1 cos + x2 sin,   y2 = -x1 sin + x2 cos.
+    x: (B, T, H, D); cos, sin: (B or 1, T, 1, D/2).
+    """
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx  # which layer of the KV cache this module reads and writes
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, attn_mask, kv_cache):
+        B, T, C = x.size()
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        # QK-norm keeps attention logits bounded; normalising then rotating = rotating then normalising.
+        q, k = apply_rotary(norm(q), cos, sin), apply_rotary(norm(k), cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.insert(self.layer_idx, k, v)  # (B, S, n_kv_head, D): all cached keys, new ones included
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T or S, D)
+        # Without a cache the T tokens attend causally among themselves; with one, attn_mask (B, 1, T, S) says
+        # which cached keys each query sees (key position <= query position, per row).
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                           enable_gqa=self.n_kv_head != self.n_head)  # (B, n_head, T, D)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, attn_mask, kv_cache):
+        x = x + self.attn(norm(x), cos, sin, attn_mask, kv_cache)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        """
+        Builds the modules only; call init_weights() to initialise a model for training. Works under
+        `torch.device("meta")`: then move with to_empty(device=...) and call init_weights(), which also
+        fills the (non-persistent) rotary tables.
+        """
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.rotary_len = config.sequence_len * ROTARY_MARGIN  # longest position the tables cover
+        cos, sin = self._rotary_tables()
+        # Derived from the config, not learned: kept out of the state dict.
+        self.register_buffer("cos", cos, persistent=False)  # (rotary_len, head_dim / 2)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _rotary_tables(self, base=10000.0):
+        """cos and sin of pos * theta_i with theta_i = base^(-2i / head_dim), for pos < rotary_len."""
+        head_dim = self.config.n_embd // self.config.n_head
+        device = self.wte.weight.device
+        theta = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+        angles = torch.outer(torch.arange(self.rotary_len, dtype=torch.float32, device=device), theta)
+        return angles.cos(), angles.sin()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """
+        Embedding ~ N(0, 1) (it is RMS-normalised right away); input projections ~ N(0, 1/fan_in) so activations
+        keep unit scale; output projections (attn.c_proj, mlp.c_proj) zero, so every block starts as the identity
+        and the residual stream is the normalised embedding; lm_head ~ N(0, 0.001^2) so the first logits are near
+        uniform (initial loss ~ ln(vocab_size)).
+        """
+        nn.init.normal_(self.wte.weight, std=1.0)
+        nn.init.normal_(self.lm_head.weight, std=0.001)
+        for block in self.blocks:
+            for linear in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.normal_(linear.weight, std=linear.in_features ** -0.5)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+        self.cos, self.sin = self._rotary_tables()
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self):
+        """
+        Training FLOPs per token (forward + backward), Chinchilla / nanochat accounting:
+            6 * N_matmul + 12 * n_layer * n_embd * sequence_len
+        6 * N: each weight of a matmul costs 2 FLOPs (multiply-add) forward and 4 backward. N_matmul excludes the
+        embedding table (a lookup, not a matmul) but includes lm_head. Attention scores q.k and the weighted sum of v
+        add 2 * 2 * T * n_embd forward per token and layer (T = sequence_len keys, causal masking not discounted),
+        times 3 for forward + backward.
+        """
+        n_matmul = self.num_params() - self.wte.weight.numel()
+        c = self.config
+        return 6 * n_matmul + 12 * c.n_layer * c.n_embd * c.sequence_len
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        """
+        idx: (B, T) token ids. Returns float32 logits (B, T, V) when targets is None, else the cross-entropy of
+        targets (B, T) with ignore_index=-1: a scalar for loss_reduction "mean" (over non-ignored tokens) or "sum",
+        per-token losses (B, T) for "none" (0 where the target is -1).
+        kv_cache (engine.KVCache): the tokens continue each row's cached sequence at that row's own position, their
+        keys/values are appended, and the cache advances by T.
+        """
+        B, T = idx.size()
+        if kv_cache is None:
+            if T > self.rotary_len:
+                raise ValueError(f"sequence of {T} tokens is longer than the rotary tables ({self.rotary_len})")
+            positions = torch.arange(T, device=idx.device)[None]  # (1, T)
+            attn_mask = None
+        else:
+            if kv_cache.filled + T > self.rotary_len:
+                raise ValueError(f"KV cache would reach position {kv_cache.filled + T}, beyond the rotary tables "
+                                 f"({self.rotary_len} = sequence_len * {ROTARY_MARGIN})")
+            positions = kv_cache.positions(T)  # (B, T)
+            attn_mask = kv_cache.attn_mask(T)  # (B, 1, T, S)
+        x = norm(self.wte(idx))  # (B, T, C)
+        cos = self.cos[positions][:, :, None]  # (B or 1, T, 1, D/2), broadcast over heads
+        sin = self.sin[positions][:, :, None]
+        for block in self.blocks:
+            x = block(x, cos, sin, attn_mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+        logits = self.lm_head(norm(x)).float()  # (B, T, V)
+        logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1,
+                               reduction=loss_reduction)
+        return loss.view(B, T) if loss_reduction == "none" else loss
+
+
+# -----------------------------------------------------------------------------
+# Optimizers: Muon for the hidden 2-D matrices, AdamW for the embedding and lm_head
+
+
+def orthogonalize(G, steps=5):
+    """
+    Approximately replace G (rows x cols) by the nearest semi-orthogonal matrix U V^T, where G = U S V^T, with the
+    quintic Newton–Schulz iteration of Muon (Keller Jordan, "Muon: An optimizer for hidden layers in neural
+    networks", 2024, https://kellerjordan.github.io/posts/muon/; also nanochat/muon.py):
+
+        X_0 = G / ||G||_F,    X_{k+1} = a X_k + (b A + c A^2) X_k,   A = X_k X_k^T,   (a, b, c) = (3.4445, -4.7750, 2.0315)
+
+    Each step maps every singular value s of X through p(s) = a s + b s^3 + c s^5, which pushes all of (0, 1] towards 1
+    (the coefficients trade exactness for speed: after 5 steps the singular values lie in roughly [0.7, 1.2], which
+    works as well as the exact U V^T in training). Dividing by the Frobenius norm first puts every s in (0, 1].
+    Runs in bf16 on CUDA (the iteration is stable there and it is the fast path) and fp32 elsewhere.
+    """
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.to(torch.bfloat16 if G.is_cuda else torch.float32)
+    transposed = G.size(-2) > G.size(-1)
+    if transposed:  # iterate on the wide orientation: A = X X^T is then the smaller (rows x rows) Gram matrix
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    if transposed:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+class Muon(torch.optim.Optimizer):
+    """
+    MomentUm Orthogonalized by Newton–Schulz, for 2-D weight matrices (Keller Jordan 2024; nanochat/muon.py).
+    Per matrix W (rows x cols) with gradient g, momentum beta and Nesterov look-ahead:
+
+        m <- beta m + (1 - beta) g
+        u <- (1 - beta) g + beta m                         (Nesterov; plain momentum uses u = m)
+        W <- W (1 - lr wd) - lr sqrt(max(1, rows / cols)) orthogonalize(u)
+
+    The orthogonalized update has all its singular values near 1: every direction of the update moves by the
+    same amount, however ill-conditioned the raw gradient is. sqrt(max(1, rows / cols)) gives tall matrices
+    (e.g. the MLP's (4d, d) input projection) the same per-entry update RMS as square ones.
+    Under DDP the gradients arrive already averaged, so every rank computes the same update (nanochat's DistMuon
+    shards this work across ranks instead; at our sizes the duplicated Newton–Schulz costs a few percent).
+    """
+
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
+        params = list(params)
+        for p in params:
+            if p.ndim != 2:
+                raise ValueError(f"Muon only updates 2-D matrices; got a parameter of shape {tuple(p.shape)} "
+                                 "(give embeddings, norms and vectors to AdamW)")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                m = state["momentum_buffer"]
+                m.lerp_(p.grad, 1 - beta)
+                u = p.grad.lerp(m, beta) if group["nesterov"] else m
+                update = orthogonalize(u, group["ns_steps"])
+                scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update, alpha=-group["lr"] * scale)
+
+
+def setup_optimizers(self, matrix_lr, embedding_lr, unembedding_lr, weight_decay=0.0, adam_betas=(0.8, 0.95)):
+    """
+    [AdamW, Muon]: AdamW for the token embedding (embedding_lr) and lm_head (unembedding_lr), Muon (matrix_lr)
+    for every matrix inside the blocks; `weight_decay` is decoupled (W <- W (1 - lr wd)) in both. Every param
+    group carries "initial_lr", so a training loop sets group["lr"] = group["initial_lr"] * lr_multiplier(step).
+
+    The AdamW learning rates are scaled by (n_embd / 768)^-0.5, as in nanochat, whose values were tuned at width
+    768: an Adam update moves every entry by ~lr, so the change it makes to the next layer's input (a sum over
+    n_embd entries of random sign) grows like sqrt(n_embd); the scale keeps that change the same at every width.
+    Muon needs no such scale: its orthogonalized update has a fixed spectral size whatever the width.
+    """
+    matrix_params = list(self.blocks.parameters())
+    embedding_params = list(self.wte.parameters())
+    lm_head_params = list(self.lm_head.parameters())
+    if len(matrix_params) + len(embedding_params) + len(lm_head_params) != len(list(self.parameters())):
+        raise RuntimeError("setup_optimizers does not cover every parameter: a new module needs an optimizer group")
+    width_scale = (self.config.n_embd / 768) ** -0.5
+    adam_groups = [dict(params=lm_head_params, lr=unembedding_lr * width_scale),
+                   dict(params=embedding_params, lr=embedding_lr * width_scale)]
+    adamw = torch.optim.AdamW(adam_groups, betas=adam_betas, eps=1e-10, weight_decay=weight_decay,
+                              fused=self.lm_head.weight.is_cuda)
+    muon = Muon(matrix_params, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)
+    optimizers = [adamw, muon]
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+GPT.setup_optimizers = setup_optimizers

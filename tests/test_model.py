@@ -1,0 +1,131 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import KVCache
+from model import GPT, GPTConfig
+
+# A real tiny model: 2 layers, width 64, 4 query heads sharing 2 key/value heads (grouped-query attention).
+CONFIG = GPTConfig(sequence_len=32, vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # PyTorch's default init (not init_weights, whose zero output projections make every block the identity)
+    # so attention and the MLPs actually move the logits and a cache bug would show.
+    torch.manual_seed(0)
+    return GPT(CONFIG).eval()
+
+
+def test_from_depth_derives_width_and_heads():
+    c = GPTConfig.from_depth(4, vocab_size=1000, sequence_len=256)
+    assert (c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.sequence_len) == (4, 256, 4, 4, 256)
+    c = GPTConfig.from_depth(20, vocab_size=1000)
+    assert (c.n_layer, c.n_embd, c.n_head, c.sequence_len) == (20, 1280, 20, 2048)
+    c = GPTConfig.from_depth(3, vocab_size=1000, aspect_ratio=50)  # 150 rounds up to 3 heads of 64
+    assert (c.n_embd, c.n_head) == (192, 3)
+
+
+def test_config_rejects_inconsistent_heads():
+    with pytest.raises(ValueError, match="n_head"):
+        GPTConfig(n_embd=64, n_head=3, n_kv_head=3)
+    with pytest.raises(ValueError, match="multiple of n_kv_head"):
+        GPTConfig(n_embd=64, n_head=4, n_kv_head=3)
+
+
+def test_num_params_and_flops(model):
+    C, V, L, kv = 64, 97, 2, 2 * 16  # kv: n_kv_head * head_dim
+    per_layer = C * C + 2 * C * kv + C * C + 2 * C * 4 * C  # q, k and v, attention out, MLP in and out
+    assert model.num_params() == 2 * V * C + L * per_layer == 102528
+    assert model.flops_per_token() == 6 * (102528 - V * C) + 12 * L * C * CONFIG.sequence_len
+
+
+def test_forward_shapes_and_losses(model):
+    torch.manual_seed(1)
+    idx = torch.randint(0, CONFIG.vocab_size, (3, 10))
+    targets = torch.randint(0, CONFIG.vocab_size, (3, 10))
+    targets[0, :4] = -1
+    targets[2, 7:] = -1
+    logits = model(idx)
+    assert logits.shape == (3, 10, CONFIG.vocab_size) and logits.dtype == torch.float32
+    assert logits.abs().max() < 15  # soft-capped
+    per_token = model(idx, targets, loss_reduction="none")
+    assert per_token.shape == (3, 10)
+    assert (per_token[targets == -1] == 0).all()
+    valid = targets != -1
+    expected = -logits.log_softmax(-1)[valid].gather(1, targets[valid][:, None]).squeeze(1)
+    torch.testing.assert_close(per_token[valid], expected)
+    mean = model(idx, targets)
+    torch.testing.assert_close(mean, per_token.sum() / valid.sum())
+    reference = F.cross_entropy(logits.view(-1, CONFIG.vocab_size), targets.view(-1), ignore_index=-1)
+    torch.testing.assert_close(mean, reference)
+
+
+def test_causal_future_tokens_do_not_change_past_logits(model):
+    torch.manual_seed(2)
+    a = torch.randint(0, CONFIG.vocab_size, (1, 12))
+    b = a.clone()
+    b[0, 7:] = (b[0, 7:] + 1) % CONFIG.vocab_size
+    la, lb = model(a), model(b)
+    torch.testing.assert_close(la[:, :7], lb[:, :7])
+    assert not torch.allclose(la[:, 7:], lb[:, 7:])
+
+
+def test_init_weights_gives_uniform_initial_loss():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    model.init_weights()
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 16))
+    loss = model(idx, idx)
+    assert abs(loss.item() - math.log(CONFIG.vocab_size)) < 0.01
+    assert model.blocks[0].attn.c_proj.weight.abs().sum() == 0
+
+
+def test_meta_device_build_then_init():
+    with torch.device("meta"):
+        model = GPT(CONFIG)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    reference = GPT(CONFIG)
+    torch.testing.assert_close(model.cos, reference.cos)
+    torch.testing.assert_close(model.sin, reference.sin)
+    assert model(torch.zeros(1, 4, dtype=torch.long)).isfinite().all()
+
+
+def test_prefill_then_decode_equals_full_forward(model):
+    torch.manual_seed(3)
+    seq = torch.randint(0, CONFIG.vocab_size, (1, 12))
+    full = model(seq)  # (1, 12, V)
+    cache = KVCache(batch_size=1, max_len=12, n_layer=CONFIG.n_layer, device="cpu")
+    chunks = [model(seq[:, :5], kv_cache=cache), model(seq[:, 5:8], kv_cache=cache)]  # prefill, then a 3-token chunk
+    chunks += [model(seq[:, t:t + 1], kv_cache=cache) for t in range(8, 12)]  # one token at a time
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.lengths.tolist() == [12] and cache.filled == 12
+
+
+def test_rows_of_different_lengths_decode_at_their_own_positions(model):
+    """Prompts of lengths 3 and 7, prefilled separately, copied into 2 rows each, decoded in one batch."""
+    torch.manual_seed(4)
+    prompts = [torch.randint(0, CONFIG.vocab_size, (1, n)) for n in (3, 7)]
+    continuations = torch.randint(0, CONFIG.vocab_size, (4, 4))  # a different continuation per row
+    prefills = []
+    for prompt in prompts:
+        prefills.append(KVCache(batch_size=1, max_len=prompt.size(1), n_layer=CONFIG.n_layer, device="cpu"))
+        model(prompt, kv_cache=prefills[-1])
+    cache = KVCache.from_prefills(prefills, repeats=2, max_len=7 + 4)
+    assert cache.lengths.tolist() == [3, 3, 7, 7]
+    steps = [model(continuations[:, t:t + 1], kv_cache=cache)[:, 0] for t in range(4)]  # each (4, V)
+    decoded = torch.stack(steps, dim=1)  # (4 rows, 4 steps, V)
+    for row in range(4):
+        seq = torch.cat([prompts[row // 2], continuations[row:row + 1]], dim=1)
+        expected = model(seq)[0, -4:]  # logits after each continuation token
+        torch.testing.assert_close(decoded[row], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_overflow_is_an_error(model):
+    cache = KVCache(batch_size=1, max_len=4, n_layer=CONFIG.n_layer, device="cpu")
+    model(torch.zeros(1, 4, dtype=torch.long), kv_cache=cache)
+    with pytest.raises(ValueError, match="do not fit"):
+        model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
