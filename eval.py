@@ -1,15 +1,76 @@
 """
-Evaluation: bits-per-byte, generative tasks scored by verifiers (pass@1, pass@k), and the report card.
-The functions here are also what the training stages call for their periodic evaluations.
+Evaluate a checkpoint, and render the report card.
+
+    python eval.py --stage base                               # tiny preset: validation bits per byte
+    python eval.py --stage sft                                # + the synthetic task, greedy pass@1
+    python eval.py --stage rl --num-samples 16 --k 1,4,16     # pass@k from 16 samples per problem (temperature 1)
+    python eval.py --compare sft rl --num-samples 16          # coverage: did RL buy pass@1 with pass@k?
+    python eval.py --report-only                              # re-render $NANOPOST_HOME/report.md
+    torchrun --nproc_per_node=8 eval.py --preset full --stage sft --tasks gsm8k,arc-easy,mmlu --data-dir data/
+
+What is measured (--tasks):
+- bpb: bits per byte of the preset's validation text (tasks.pretraining_texts(preset, "val")). Independent of the
+  tokenizer; lower is better. Computed for every stage, so it also shows what post-training costs in plain text.
+- arc-easy, arc-challenge, mmlu: multiple choice, scored without sampling.
+  Base checkpoint (lm-eval-harness style): each choice is a continuation of the prompt and scored by the sum of its
+  tokens' log-probs. acc picks the largest sum; acc_norm the largest sum per character of the continuation, which
+  stops long answers from losing just for being long. ARC continues "Question: ...\\nAnswer:" with the answer
+  text (0-shot by default, like the harness); MMLU lists lettered choices and continues with " A", " B", ...
+  (5-shot by default, as in the MMLU paper). Few-shot examples are other items of the same subject from the same
+  split, drawn with a seed per item.
+  Chat checkpoints: the question and its lettered choices are one user turn; the answer is the letter whose token
+  gets the highest log-prob right after <|assistant_start|>, among the choices' letters. No sampling and no parsing,
+  so a model that would ramble first is still scored on what it believes.
+- synthetic, gsm8k: generative. num_samples completions per problem from the engine (calculator on), checked by
+  the task's strict verifier. pass@k is the unbiased estimator (pass_at_k) averaged over problems. One sample is
+  greedy by default; several are sampled at temperature 1, the policy's own distribution.
+- coverage (from the same per-problem counts, in the report): the pass@k curve k = 1..n averaged over problems,
+  the coverage gain A = pass@n - pass@1 and S = A / (1 - pass@1), with bootstrap intervals over problems.
+  RL that sharpens a model raises pass@1 and shrinks A and S: it samples what it could already find more often.
+
+Each checkpoint evaluated appends {"stage": "eval", "of": <stage>, "metrics": {...}, "coverage": {...}} to
+report.jsonl (common.append_report) and report.md is re-rendered. Under torchrun every rank takes every
+world_size-th problem and the exact counts are summed across ranks (at temperature 0 the result is the one a
+single process gets; sampled completions depend on how problems are batched, so they agree in distribution).
 """
 
+import argparse
 import math
+import os
+import platform
+import random
+import subprocess
+import time
+from itertools import islice
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import autocast_ctx, get_dist_info
-from tasks import safe_reward
+import common
+from common import autocast_ctx, format_eta, get_dist_info, print0
+from engine import Engine
+from tasks import GSM8K, LETTERS, MultipleChoice, SyntheticTask, collate, pretraining_batches, pretraining_texts, safe_reward
+
+STAGES = ("base", "sft", "dpo", "rl")  # the checkpoints eval.py evaluates
+PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl")  # order of the report card (pretrain.py writes "pretrain")
+GENERATIVE_TASKS = ("synthetic", "gsm8k")
+MC_TASKS = tuple(MultipleChoice.SOURCES)  # arc-easy, arc-challenge, mmlu
+MC_STYLE = {"arc-easy": "continuation", "arc-challenge": "continuation", "mmlu": "letter"}
+MC_SHOTS = {"arc-easy": 0, "arc-challenge": 0, "mmlu": 5}
+
+PRESETS = {
+    # tiny: the synthetic world only (offline, seconds on a CPU). Hub tasks need --preset full or --data-dir.
+    # bpb_tokens: the validation tokens of pretrain.py's presets, so the base checkpoint's bpb here is its final val_bpb.
+    "tiny": {"base_tasks": "bpb", "chat_tasks": "bpb,synthetic", "max_problems": 200, "max_tokens": 96,
+             "bpb_tokens": 16384, "batch_size": 32},
+    "full": {"base_tasks": "bpb,arc-easy,arc-challenge,mmlu", "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu",
+             "max_problems": None, "max_tokens": 512, "bpb_tokens": 10 * 524288, "batch_size": 32},
+}
+
+# -----------------------------------------------------------------------------
+# pass@k and coverage
 
 
 def pass_at_k(n, c, k):
@@ -27,6 +88,62 @@ def pass_at_k(n, c, k):
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_at_k_curve(correct, n):
+    """[pass@1, ..., pass@n] averaged over problems; correct[i] = correct samples of problem i out of n."""
+    if not correct:
+        raise ValueError("pass_at_k_curve needs at least one problem")
+    return [sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in range(1, n + 1)]
+
+
+def _coverage(p1, pk):
+    """A and S from mean pass@1 and mean pass@K; S is nan where pass@1 = 1 (nothing left to gain)."""
+    gain = pk - p1
+    with np.errstate(divide="ignore", invalid="ignore"):
+        normalised = np.where(p1 < 1, gain / (1 - p1), np.nan)
+    return gain, normalised
+
+
+def coverage_gain(correct, n):
+    """
+    How much more n samples solve than one, from per-problem counts (correct[i] of n samples right):
+
+        A = pass@n - pass@1,    S = A / (1 - pass@1)
+
+    with pass@k averaged over problems. A is the coverage a bigger sampling budget buys; S is the fraction of what
+    pass@1 left unsolved that it buys (0: sampling more finds nothing new; 1: everything is found). S is nan when
+    pass@1 = 1. Returns (pass@1, pass@n, A, S).
+    """
+    if not correct:
+        raise ValueError("coverage_gain needs at least one problem")
+    p1 = sum(c / n for c in correct) / len(correct)
+    pn = sum(c > 0 for c in correct) / len(correct)  # pass@n of one problem is 1 if any sample is right
+    gain, normalised = _coverage(np.float64(p1), np.float64(pn))
+    return p1, pn, float(gain), float(normalised)
+
+
+def bootstrap_coverage(correct, n, num_resamples=1000, confidence=0.95, seed=0):
+    """
+    Percentile bootstrap intervals of A and S (coverage_gain) over problems: resample the problems with
+    replacement num_resamples times, recompute A and S on each resample, and keep the central `confidence` mass.
+    Resamples where S is undefined (pass@1 = 1) are left out of S's interval. Pure and seeded: same inputs, same
+    intervals. Returns {"A": (low, high), "S": (low, high)}; an interval is (nan, nan) when nothing is left.
+    """
+    per_problem = np.array(correct, dtype=np.float64)
+    p1, pn = per_problem / n, (per_problem > 0).astype(np.float64)  # (P,) each
+    picks = np.random.default_rng(seed).integers(0, len(per_problem), size=(num_resamples, len(per_problem)))
+    gain, normalised = _coverage(p1[picks].mean(1), pn[picks].mean(1))  # (num_resamples,) each
+    tails = [(1 - confidence) / 2, (1 + confidence) / 2]
+    intervals = {}
+    for name, values in (("A", gain), ("S", normalised)):
+        values = values[np.isfinite(values)]
+        intervals[name] = tuple(float(v) for v in np.quantile(values, tails)) if len(values) else (math.nan, math.nan)
+    return intervals
+
+
+# -----------------------------------------------------------------------------
+# Bits per byte
 
 
 @torch.no_grad()
@@ -58,6 +175,181 @@ def evaluate_bpb(model, batches, token_bytes, device):
     return (total_nats / (math.log(2) * total_bytes)).item()
 
 
+def validation_batches(tokenizer, preset, batch_size, seq_len, max_tokens):
+    """
+    This rank's (x, y) batches of the preset's validation text, packed like pretraining; the ranks together read
+    about max_tokens target tokens (at least one batch each).
+    """
+    _, rank, _, world_size = get_dist_info()
+    num_batches = max(1, max_tokens // (batch_size * seq_len * world_size))
+    batches = pretraining_batches(tokenizer, pretraining_texts(preset, "val"), batch_size, seq_len, rank, world_size)
+    for x, y, _ in islice(batches, num_batches):
+        yield x, y
+
+
+# -----------------------------------------------------------------------------
+# Multiple choice
+
+
+def base_prompt(item, shots, style):
+    """
+    (context, continuations) texts for a base model, lm-eval-harness style; `shots` are solved items put first.
+    continuation (ARC):  "Question: {question}\\nAnswer:" continued by " {choice text}"
+    letter (MMLU):       "{question}\\nA. {choice}\\nB. {choice}...\\nAnswer:" continued by " A", " B", ...
+    """
+    def block(it):
+        if style == "continuation":
+            return f"Question: {it['question']}\nAnswer:", [f" {choice}" for choice in it["choices"]]
+        listed = "".join(f"\n{LETTERS[j]}. {choice}" for j, choice in enumerate(it["choices"]))
+        return f"{it['question']}{listed}\nAnswer:", [f" {LETTERS[j]}" for j in range(len(it["choices"]))]
+
+    header = ""
+    if style == "letter":  # MMLU's own prompt header
+        header = f"The following are multiple choice questions (with answers) about {item['subject'].replace('_', ' ')}.\n\n"
+    solved = "".join(question + continuations[shot["answer"]] + "\n\n" for shot in shots
+                     for question, continuations in [block(shot)])
+    question, continuations = block(item)
+    return header + solved + question, continuations
+
+
+def chat_prompt(item):
+    """The conversation that asks a chat model a multiple-choice question (its reply is scored by letter)."""
+    listed = "\n".join(f"{LETTERS[j]}. {choice}" for j, choice in enumerate(item["choices"]))
+    text = f"{item['question']}\n\n{listed}\n\nAnswer with the letter of the correct choice."
+    return {"messages": [{"role": "user", "content": text}]}
+
+
+@torch.no_grad()
+def continuation_logprobs(model, requests, device, batch_size=32):
+    """
+    For each (context_ids, continuation_ids) in `requests` the summed log-prob of the continuation given the context:
+
+        score = sum_{t in continuation} log p(x_t | x_<t)
+
+    Rows are right-padded into batches of `batch_size`. A row longer than sequence_len + 1 tokens keeps its last
+    sequence_len + 1: the context is cut from the left, the continuation is always scored whole. Returns a list of floats.
+    """
+    keep = model.config.sequence_len + 1
+    scores = []
+    for start in range(0, len(requests), batch_size):
+        rows = []
+        for context, continuation in requests[start:start + batch_size]:
+            if not continuation or len(continuation) >= keep:
+                raise ValueError(f"a continuation of {len(continuation)} tokens cannot be scored with a "
+                                 f"{keep - 1}-token context window")
+            ids = (context + continuation)[-keep:]
+            mask = ([0] * len(context) + [1] * len(continuation))[-keep:]
+            rows.append((ids, mask))
+        x, y = collate(rows, pad_id=0)  # (B, L), y = -1 outside the continuations
+        with autocast_ctx(device):
+            losses = model(x.to(device), y.to(device), loss_reduction="none")  # (B, L), 0 where y = -1
+        scores.extend((-losses.float().sum(1)).tolist())
+    return scores
+
+
+def pick_choices(scores, continuations):
+    """
+    (acc choice, acc_norm choice) from each choice's summed log-prob and its continuation text: the largest sum,
+    and the largest sum per character of the continuation (lm-eval-harness's acc_norm). Ties go to the first.
+    """
+    normalised = [score / len(text) for score, text in zip(scores, continuations)]
+    return max(range(len(scores)), key=scores.__getitem__), max(range(len(scores)), key=normalised.__getitem__)
+
+
+def _my_share(num_items):
+    """Indices of the items this rank evaluates: every world_size-th, starting at its rank."""
+    _, rank, _, world_size = get_dist_info()
+    return list(range(rank, num_items, world_size))
+
+
+def _sum_over_ranks(values, device):
+    """Exact integer totals of per-rank counts."""
+    totals = torch.tensor(values, dtype=torch.long, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    return totals.tolist()
+
+
+def _progress(label, done, total, t0):
+    elapsed = time.time() - t0
+    print0(f"{label}: {done}/{total} on rank 0 | {elapsed:.0f}s | ETA {format_eta(elapsed / done * (total - done))}")
+
+
+def evaluate_multiple_choice(model, tokenizer, items, style, num_shots=0, batch_size=32, seed=0, label=None):
+    """
+    Base-model multiple choice by log-likelihood (see base_prompt and pick_choices). `items` is a list of
+    {"question", "choices", "answer", "subject"}; few-shot examples are drawn from the other items of the same
+    subject with random.Random(f"{seed}-{i}") for item i, so every rank and every run builds the same prompts.
+    `label`: print progress lines under that name. Returns {"acc", "acc_norm", "count"}, summed over DDP ranks.
+    """
+    if not items:
+        raise ValueError("evaluate_multiple_choice got no items")
+    device = next(model.parameters()).device
+    by_subject = {}
+    for i, item in enumerate(items):
+        by_subject.setdefault(item["subject"], []).append(i)
+    mine = _my_share(len(items))
+    correct = correct_norm = 0
+    t0 = time.time()
+    items_per_batch = max(1, batch_size // max(len(item["choices"]) for item in items))
+    for start in range(0, len(mine), items_per_batch):
+        requests, spans = [], []
+        for i in mine[start:start + items_per_batch]:
+            pool = by_subject[items[i]["subject"]]
+            drawn = random.Random(f"{seed}-{i}").sample(pool, min(num_shots + 1, len(pool)))
+            shots = [j for j in drawn if j != i][:num_shots]  # one spare draw in case item i itself comes up
+            context, continuations = base_prompt(items[i], [items[j] for j in shots], style)
+            context_ids = tokenizer.encode(context, prepend="<|bos|>")
+            requests += [(context_ids, tokenizer.encode(text)) for text in continuations]
+            spans.append((i, continuations))
+        scores = continuation_logprobs(model, requests, device, batch_size)
+        offset = 0
+        for i, continuations in spans:
+            choice, choice_norm = pick_choices(scores[offset:offset + len(continuations)], continuations)
+            offset += len(continuations)
+            correct += choice == items[i]["answer"]
+            correct_norm += choice_norm == items[i]["answer"]
+        if label is not None:
+            _progress(label, min(start + items_per_batch, len(mine)), len(mine), t0)
+    correct, correct_norm, count = _sum_over_ranks([correct, correct_norm, len(mine)], device)
+    return {"acc": correct / count, "acc_norm": correct_norm / count, "count": count}
+
+
+@torch.no_grad()
+def evaluate_multiple_choice_chat(model, tokenizer, items, batch_size=32, label=None):
+    """
+    Chat-model multiple choice by letter: render chat_prompt(item) up to <|assistant_start|>, and answer with the
+    choice whose letter token has the highest log-prob there (only the item's own letters compete).
+    `label`: print progress lines under that name. Returns {"acc", "count"}, summed over DDP ranks.
+    """
+    device = next(model.parameters()).device
+    letter_ids = [tokenizer.encode(letter)[0] for letter in LETTERS]  # one ASCII character: one byte-level token
+    keep = model.config.sequence_len
+    mine = _my_share(len(items))
+    correct = 0
+    t0 = time.time()
+    for start in range(0, len(mine), batch_size):
+        batch = [items[i] for i in mine[start:start + batch_size]]
+        prompts = [tokenizer.render_for_completion(chat_prompt(item))[-keep:] for item in batch]
+        x = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)  # (B, L), right-padded
+        for b, ids in enumerate(prompts):
+            x[b, :len(ids)] = torch.tensor(ids)
+        with autocast_ctx(device):
+            logits = model(x.to(device))  # (B, L, V)
+        last = logits[torch.arange(len(batch)), torch.tensor([len(ids) - 1 for ids in prompts])]  # (B, V)
+        for row, item in zip(last, batch):
+            letters = row[letter_ids[:len(item["choices"])]]  # (num_choices,)
+            correct += int(letters.argmax()) == item["answer"]
+        if label is not None:
+            _progress(label, min(start + batch_size, len(mine)), len(mine), t0)
+    correct, count = _sum_over_ranks([correct, len(mine)], device)
+    return {"acc": correct / count, "count": count}
+
+
+# -----------------------------------------------------------------------------
+# Generative tasks
+
+
 def completion_text(tokenizer, completion):
     """The text a verifier sees: the completion's tokens decoded, without the closing <|assistant_end|>."""
     tokens = completion.tokens
@@ -67,30 +359,35 @@ def completion_text(tokenizer, completion):
 
 
 def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_tokens=256, temperature=0.0,
-                        top_k=None, top_p=None, batch_size=32, seed=0):
+                        top_k=None, top_p=None, batch_size=32, seed=0, label=None):
     """
     Sample `num_samples` completions for each problem task[i], i in `indices`, score each with the task's
     verifier, and return exact counts and pass@k. Under DDP every rank takes every world_size-th problem and
     the per-problem counts are summed across ranks, so the result is the same as one process would get.
+    `label`: print progress lines under that name (rank 0's share).
 
     Returns {"correct": LongTensor (P,), "samples": n, "errors": int, "pass@k": float for each k}.
     """
-    _, rank, _, world_size = get_dist_info()
+    rank = get_dist_info()[1]
     device = next(engine.model.parameters()).device
     correct = torch.zeros(len(indices), dtype=torch.long, device=device)
     errors = torch.zeros((), dtype=torch.long, device=device)
-    mine = list(range(rank, len(indices), world_size))
+    mine = _my_share(len(indices))
+    t0 = time.time()
     for start in range(0, len(mine), batch_size):
         positions = mine[start:start + batch_size]
         conversations = [task[indices[p]] for p in positions]
         prompts = [engine.tokenizer.render_for_completion(c) for c in conversations]
-        results = engine.generate(prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, seed=seed + start + rank * 1_000_003)
+        with autocast_ctx(device):
+            results = engine.generate(prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
+                                      top_k=top_k, top_p=top_p, seed=seed + start + rank * 1_000_003)
         for p, conversation, completions in zip(positions, conversations, results):
             for completion in completions:
                 reward, error = safe_reward(task, conversation, completion_text(engine.tokenizer, completion))
                 correct[p] += int(reward > 0)
                 errors += int(error)
+        if label is not None:
+            _progress(label, min(start + batch_size, len(mine)), len(mine), t0)
     if dist.is_initialized():
         dist.all_reduce(correct)
         dist.all_reduce(errors)
@@ -99,3 +396,390 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
     for k in ks:
         result[f"pass@{k}"] = sum(pass_at_k(num_samples, int(c), k) for c in correct) / max(len(indices), 1)
     return result
+
+
+# -----------------------------------------------------------------------------
+# Loading the tasks
+
+
+def local_file(data_dir, name):
+    """The file of task `name` in --data-dir ({name}.parquet, .jsonl or .json, hub schema), or None without a data dir."""
+    if data_dir is None:
+        return None
+    candidates = [Path(data_dir) / f"{name}{suffix}" for suffix in (".parquet", ".jsonl", ".json")]
+    for path in candidates:
+        if path.exists():
+            return str(path)
+    raise FileNotFoundError(f"--data-dir has no file for task {name!r}; expected one of "
+                            f"{', '.join(str(p) for p in candidates)} with the hub dataset's columns")
+
+
+def load_task(name, data_dir=None, size=None):
+    """The held-out split of a generative or multiple-choice task; the first `size` problems if given."""
+    if name == "synthetic":
+        return SyntheticTask("test", size=size or 1000, seed=0)
+    if name == "gsm8k":
+        return GSM8K("test", local=local_file(data_dir, name), size=size)
+    if name in MC_TASKS:
+        return MultipleChoice(name, "test", local=local_file(data_dir, name), size=size)
+    raise ValueError(f"unknown task {name!r}; expected bpb or one of {GENERATIVE_TASKS + MC_TASKS}")
+
+
+# -----------------------------------------------------------------------------
+# The report card
+
+
+def environment():
+    """What the report was rendered on: git commit, python, torch and devices of this machine."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True,
+                                  text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short=12", "HEAD") or "unknown (not a git checkout)"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += " + uncommitted changes"
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        devices = ", ".join(f"{names.count(name)} x {name}" for name in dict.fromkeys(names))
+    else:
+        devices = f"CPU only ({os.cpu_count()} cores)"
+    return {"git commit": commit, "python": platform.python_version(), "torch": torch.__version__,
+            "devices": devices, "rendered": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _is_curve(value):
+    return isinstance(value, dict) and isinstance(value.get("step"), list)
+
+
+def curves_of(record):
+    """
+    The training curves a stage stored in its report record: every dict value (at any depth) holding a "step"
+    list, e.g. record["curve"] = {"step": [...], "loss": [...], "lr": [...]}. Returns {name: {series: (steps, values)}}
+    with the series that have one value per step.
+    """
+    found = {}
+    for key, value in record.items():
+        if _is_curve(value):
+            found[key] = {name: (value["step"], values) for name, values in value.items()
+                          if name != "step" and isinstance(values, list) and len(values) == len(value["step"])}
+        elif isinstance(value, dict):
+            found.update({f"{key}/{name}": series for name, series in curves_of(value).items()})
+    return found
+
+
+def scalars_of(record, prefix=""):
+    """A record's scalar values as {name: value}, nested dicts flattened to "outer/inner", lists and curves left out."""
+    flat = {}
+    for key, value in record.items():
+        if isinstance(value, dict) and not _is_curve(value):
+            flat.update(scalars_of(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            flat[prefix + key] = value
+    return flat
+
+
+def format_value(value):
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "n/a"
+        return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.4g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return "" if value is None else str(value)
+
+
+def latest_stage_records(records):
+    """{stage: its latest record} of the training stages (not eval), in pipeline order, then any others as they come."""
+    latest = {}
+    for record in records:
+        if record.get("stage") != "eval":
+            latest[record.get("stage")] = record
+    order = {stage: i for i, stage in enumerate(PIPELINE)}
+    return dict(sorted(latest.items(), key=lambda item: order.get(item[0], len(order))))
+
+
+def merged_evals(records):
+    """
+    {stage: {"metrics": {...}, "coverage": {...}, "step": ...}} from the eval records, in file order: a later run
+    overrides the metrics it measured again and keeps the others (e.g. GSM8K evaluated in a separate run).
+    """
+    merged = {}
+    for record in records:
+        if record.get("stage") != "eval":
+            continue
+        entry = merged.setdefault(record["of"], {"metrics": {}, "coverage": {}, "step": None})
+        entry["metrics"].update(record.get("metrics", {}))
+        entry["coverage"].update(record.get("coverage", {}))
+        entry["step"] = record.get("step", entry["step"])
+    order = {stage: i for i, stage in enumerate(PIPELINE)}
+    return dict(sorted(merged.items(), key=lambda item: order.get(item[0], len(order))))
+
+
+def coverage_rows(evals):
+    """
+    One row per (task, stage) with per-problem counts from more than one sample: (task, stage, n, problems,
+    pass@1, pass@n, A, S, A interval, S interval).
+    """
+    rows = []
+    tasks = dict.fromkeys(task for entry in evals.values() for task in entry["coverage"])
+    for task in tasks:
+        for stage, entry in evals.items():
+            counts = entry["coverage"].get(task)
+            if counts is None or counts["samples"] < 2:
+                continue
+            n, correct = counts["samples"], counts["correct"]
+            intervals = bootstrap_coverage(correct, n)
+            rows.append((task, stage, n, len(correct), *coverage_gain(correct, n), intervals["A"], intervals["S"]))
+    return rows
+
+
+def coverage_table(rows):
+    """Markdown lines of the coverage table (coverage_rows)."""
+    def with_interval(value, interval):
+        if math.isnan(value):
+            return "n/a"
+        return f"{value:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
+
+    lines = ["| task | stage | n | problems | pass@1 | pass@n | A = pass@n - pass@1 [95% CI] | S = A / (1 - pass@1) [95% CI] |",
+             "|---|---|---|---|---|---|---|---|"]
+    for task, stage, n, problems, p1, pn, gain, normalised, gain_interval, normalised_interval in rows:
+        lines.append(f"| {task} | {stage} | {n} | {problems} | {p1:.3f} | {pn:.3f} | "
+                     f"{with_interval(gain, gain_interval)} | {with_interval(normalised, normalised_interval)} |")
+    return lines
+
+
+def draw_plots(records, out_dir):
+    """
+    PNG plots for the report, written to out_dir: each stage's training curves (latest run of the stage) and, per
+    generative task, the pass@k curves of the evaluated stages. Returns {name: path}, or None when matplotlib is
+    not installed (it is optional).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = {}
+    for stage, record in latest_stage_records(records).items():
+        series = [(f"{group}: {name}" if group != "curve" else name, steps, values)
+                  for group, curves in curves_of(record).items() for name, (steps, values) in curves.items()]
+        if not series:
+            continue
+        fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3), squeeze=False)
+        for ax, (name, steps, values) in zip(axes[0], series):
+            ax.plot(steps, values)
+            ax.set_title(name)
+            ax.set_xlabel("step")
+        fig.suptitle(stage)
+        fig.tight_layout()
+        plots[stage] = out_dir / f"{stage}.png"
+        fig.savefig(plots[stage], dpi=100)
+        plt.close(fig)
+    evals = merged_evals(records)
+    for task in dict.fromkeys(task for entry in evals.values() for task in entry["coverage"]):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for stage, entry in evals.items():
+            counts = entry["coverage"].get(task)
+            if counts is not None and counts["samples"] > 1:
+                curve = pass_at_k_curve(counts["correct"], counts["samples"])
+                ax.plot(range(1, len(curve) + 1), curve, marker="o", label=stage)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda k, _: f"{k:g}"))  # 1 2 4 8, not 2^0 ...
+        ax.set_xlabel("k (samples)")
+        ax.set_ylabel("pass@k")
+        ax.set_title(f"{task}: pass@k averaged over problems")
+        ax.legend()
+        fig.tight_layout()
+        plots[f"coverage-{task}"] = out_dir / f"coverage-{task}.png"
+        fig.savefig(plots[f"coverage-{task}"], dpi=100)
+        plt.close(fig)
+    return plots
+
+
+def render_report(records, env, plots=None, plot_root="."):
+    """
+    The report card (markdown) from report records (common.read_report()): the environment, each stage's time and
+    metrics, one table of task metrics across base/SFT/DPO/RL, the coverage table, and links to `plots` (from
+    draw_plots: None means matplotlib was missing) made relative to `plot_root`, the folder of report.md.
+    """
+    lines = ["# nanopost report card", "", "## Environment", "", "| | |", "|---|---|"]
+    lines += [f"| {key} | {value} |" for key, value in env.items()]
+
+    def image(name, caption):
+        if plots and name in plots:
+            lines.extend(["", f"![{caption}]({os.path.relpath(plots[name], plot_root)})"])
+
+    stage_records = latest_stage_records(records)
+    if stage_records:
+        total = sum(r.get("seconds", 0) for r in stage_records.values())
+        lines += ["", "## Stages", "", "| stage | finished | time |", "|---|---|---|"]
+        lines += [f"| {stage} | {r.get('time', '')} | {format_eta(r['seconds']) if 'seconds' in r else ''} |"
+                  for stage, r in stage_records.items()]
+        lines.append(f"| total | | {format_eta(total)} |")
+    for stage, record in stage_records.items():
+        lines += ["", f"### {stage}", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {key} | {format_value(value)} |" for key, value in scalars_of(record).items()
+                  if key not in ("stage", "time")]
+        image(stage, f"{stage} training curves")
+
+    evals = merged_evals(records)
+    if evals:
+        metric_names = list(dict.fromkeys(name for entry in evals.values() for name in entry["metrics"]))
+        lines += ["", "## Task metrics", "", "| metric | " + " | ".join(evals) + " |", "|---" * (len(evals) + 1) + "|"]
+        lines.append("| checkpoint step | " + " | ".join(format_value(e["step"]) for e in evals.values()) + " |")
+        for name in metric_names:
+            lines.append(f"| {name} | " + " | ".join(format_value(e["metrics"].get(name)) for e in evals.values()) + " |")
+        lines += ["", "bpb: bits per byte of the validation text (lower is better). Multiple choice (acc): the base "
+                  "model by log-likelihood of each choice (acc_norm: per character), chat stages by the log-prob of "
+                  "the answer letter. pass@k: unbiased estimate from n samples per problem."]
+    rows = coverage_rows(evals)
+    if rows:
+        lines += ["", "## Coverage", "", "From the same per-problem counts: how much more n samples solve than one. "
+                  "A stage that sharpens its policy raises pass@1 and lowers A and S.", ""]
+        lines += coverage_table(rows)
+        for task in dict.fromkeys(row[0] for row in rows):
+            image(f"coverage-{task}", f"{task} pass@k curves")
+    has_curves = any(curves_of(r) for r in stage_records.values())
+    if plots is None and (has_curves or rows):
+        lines += ["", "(Plots skipped: matplotlib is not installed. `pip install matplotlib` and rerun "
+                  "`python eval.py --report-only`.)"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report():
+    """Render $NANOPOST_HOME/report.md (and its plots under report_plots/) from report.jsonl. Returns its path."""
+    base_dir = common.get_base_dir()
+    records = common.read_report()
+    plots = draw_plots(records, base_dir / "report_plots")
+    path = base_dir / "report.md"
+    path.write_text(render_report(records, environment(), plots, plot_root=base_dir))
+    return path
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Evaluate a checkpoint (bpb, multiple choice, pass@k) and render "
+                                                 "the report card $NANOPOST_HOME/report.md.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                        help="tiny: synthetic data only, small budgets; full: hub tasks and full budgets")
+    parser.add_argument("--stage", choices=STAGES, default="sft", help="which checkpoint to evaluate (default sft)")
+    parser.add_argument("--ckpt", default=None, help="checkpoint folder (default: $NANOPOST_HOME/checkpoints/<stage>)")
+    parser.add_argument("--compare", nargs="+", default=None, metavar="STAGE",
+                        help="evaluate several stages' checkpoints (e.g. --compare sft rl, or sft,rl) and print their "
+                             "coverage side by side; needs --num-samples > 1")
+    parser.add_argument("--tasks", default=None,
+                        help="comma-separated: bpb, synthetic, gsm8k, arc-easy, arc-challenge, mmlu (default: the "
+                             "preset's list for base or for chat checkpoints)")
+    parser.add_argument("--num-samples", type=int, default=1, help="completions per problem for generative tasks")
+    parser.add_argument("--k", default=None, help="comma-separated k of pass@k to report (default: 1 and num-samples)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature (default: 0, greedy, for one sample; 1.0 for several)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample from the top-k tokens only (default: all)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="longest completion in tokens (default: tiny 96, full 512)")
+    parser.add_argument("--max-problems", type=int, default=None,
+                        help="evaluate the first N problems of each task (default: tiny 200, full all)")
+    parser.add_argument("--few-shot", type=int, default=None,
+                        help="few-shot examples for base-model multiple choice (default: ARC 0, MMLU 5)")
+    parser.add_argument("--bpb-tokens", type=int, default=None, help="validation tokens for bpb (default: tiny 16384, full 5.2M)")
+    parser.add_argument("--batch-size", type=int, default=None, help="prompts per generation batch, rows per forward pass (default 32)")
+    parser.add_argument("--data-dir", default=None,
+                        help="local task files {task}.parquet|.jsonl|.json with the hub schema, instead of downloading")
+    parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of sampling and of few-shot draws")
+    parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no logging)")
+    parser.add_argument("--report-only", action="store_true", help="only re-render report.md from report.jsonl")
+    args = parser.parse_args(argv)
+
+    if args.report_only:
+        print0(f"wrote {write_report()}")
+        return
+    preset = PRESETS[args.preset]
+    stages = [s for entry in args.compare for s in entry.split(",") if s] if args.compare else [args.stage]
+    for stage in stages:
+        if stage not in STAGES:
+            parser.error(f"--compare: unknown stage {stage!r}; expected some of {', '.join(STAGES)}")
+    if args.compare and (len(stages) < 2 or args.num_samples < 2 or args.ckpt):
+        parser.error("--compare takes two or more stages, their default checkpoints (no --ckpt), and --num-samples > 1")
+    ks = [int(k) for k in args.k.split(",")] if args.k else sorted({1, args.num_samples})
+    if any(not 1 <= k <= args.num_samples for k in ks):
+        parser.error(f"--k {args.k}: every k must be between 1 and --num-samples ({args.num_samples})")
+    for name in (args.tasks or "").split(","):
+        if name.strip() and name.strip() not in ("bpb",) + GENERATIVE_TASKS + MC_TASKS:
+            parser.error(f"--tasks: unknown task {name.strip()!r}; expected bpb, {', '.join(GENERATIVE_TASKS + MC_TASKS)}")
+    temperature = args.temperature if args.temperature is not None else (0.0 if args.num_samples == 1 else 1.0)
+    max_tokens = args.max_tokens or preset["max_tokens"]
+    max_problems = args.max_problems or preset["max_problems"]
+    batch_size = args.batch_size or preset["batch_size"]
+    bpb_tokens = args.bpb_tokens or preset["bpb_tokens"]
+
+    _, _, _, world_size, device = common.compute_init(args.device, args.seed)
+    logger = common.Logger(args.run, vars(args))
+    print0(f"eval: {', '.join(stages)} on {world_size} x {device} | samples {args.num_samples} at temperature "
+           f"{temperature} | pass@k for k in {ks} | up to {max_problems or 'all'} problems per task")
+    logged = {}
+    for stage in stages:
+        t_stage = time.time()
+        ckpt = args.ckpt or common.checkpoint_dir(stage)
+        model, tokenizer, meta = common.load_model(ckpt, device)
+        engine = Engine(model, tokenizer)
+        task_names = [name.strip() for name in (args.tasks or preset["base_tasks" if stage == "base" else "chat_tasks"])
+                      .split(",") if name.strip()]
+        metrics, coverage = {}, {}
+        for name in task_names:
+            t0 = time.time()
+            label = f"{stage} {name}"
+            if name == "bpb":
+                token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.long)
+                batches = validation_batches(tokenizer, args.preset, batch_size, model.config.sequence_len, bpb_tokens)
+                metrics["bpb"] = evaluate_bpb(model, batches, token_bytes, device)
+                shown = f"bpb {metrics['bpb']:.4f}"
+            elif name in MC_TASKS:
+                task = load_task(name, args.data_dir, max_problems)
+                items = [task[i] for i in range(len(task))]
+                if stage == "base":
+                    shots = MC_SHOTS[name] if args.few_shot is None else args.few_shot
+                    result = evaluate_multiple_choice(model, tokenizer, items, MC_STYLE[name], shots, batch_size,
+                                                      args.seed, label)
+                    metrics[f"{name}/acc"], metrics[f"{name}/acc_norm"] = result["acc"], result["acc_norm"]
+                    shown = f"acc {result['acc']:.4f} | acc_norm {result['acc_norm']:.4f} ({shots}-shot, {result['count']} items)"
+                else:
+                    result = evaluate_multiple_choice_chat(model, tokenizer, items, batch_size, label)
+                    metrics[f"{name}/acc"] = result["acc"]
+                    shown = f"acc {result['acc']:.4f} (letter, {result['count']} items)"
+            else:
+                task = load_task(name, args.data_dir, max_problems)
+                result = evaluate_generative(engine, task, list(range(len(task))), args.num_samples, ks, max_tokens,
+                                             temperature, args.top_k, batch_size=batch_size, seed=args.seed, label=label)
+                metrics.update({f"{name}/pass@{k}": result[f"pass@{k}"] for k in ks})
+                coverage[name] = {"samples": args.num_samples, "correct": result["correct"].tolist()}
+                shown = " | ".join(f"pass@{k} {result[f'pass@{k}']:.4f}" for k in ks)
+                shown += f" ({len(task)} problems, {result['errors']} verifier errors)"
+            print0(f"{label}: {shown} | {time.time() - t0:.1f}s")
+        logged.update({f"{stage}/{name}": value for name, value in metrics.items()})
+        common.append_report({"stage": "eval", "of": stage, "ckpt": str(ckpt),
+                              "step": meta.get("step"), "preset": args.preset, "seconds": time.time() - t_stage,
+                              "settings": {"num_samples": args.num_samples, "temperature": temperature,
+                                           "max_tokens": max_tokens, "max_problems": max_problems},
+                              "metrics": metrics, "coverage": coverage})
+    logger.log(logged, step=0)
+    if get_dist_info()[1] == 0:
+        if args.compare:
+            evals = merged_evals(common.read_report())
+            rows = coverage_rows({stage: evals[stage] for stage in stages})
+            print("\n".join(coverage_table(rows)) if rows else "no generative task was evaluated: nothing to compare")
+        print(f"wrote {write_report()}")
+    logger.finish()
+    common.compute_cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -14,7 +14,9 @@ import random
 import re
 import signal
 import threading
+from collections import Counter, deque
 from contextlib import contextmanager
+from itertools import islice
 
 import torch
 
@@ -24,11 +26,16 @@ import torch
 MAX_ANSWER_CHARS = 32  # a final answer longer than this is not a number we accept (and costs nothing to reject)
 
 
+# ASCII digits; commas only as thousands separators ("1,234", not "12,34" or ",42,")
+PLAIN_NUMBER = re.compile(r"-?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?", re.ASCII)
+
+
 def canonical_number(text):
     """'1,234' -> '1234', '$5.' -> '5', '72.0' -> '72', '-3.50' -> '-3.5'; None if `text` is not a plain number."""
-    text = text.strip().replace(",", "").lstrip("$").rstrip(".")
-    if len(text) > MAX_ANSWER_CHARS or not re.fullmatch(r"-?\d+(\.\d+)?", text):
+    text = text.strip().removeprefix("$").removesuffix(".")
+    if len(text) > MAX_ANSWER_CHARS or not PLAIN_NUMBER.fullmatch(text):
         return None
+    text = text.replace(",", "")
     if "." in text:
         text = text.rstrip("0").rstrip(".")
     return "0" if text in ("-0", "") else text
@@ -250,8 +257,11 @@ def pretraining_texts(preset, split, max_chars=None):
     Text documents for tokenizer training and pretraining: the synthetic corpus for `tiny`, FineWeb-Edu for `full`.
     Stops once `max_chars` characters have been yielded (None: the whole split).
     """
-    if preset == "tiny":
-        texts = synthetic_documents(20_000 if split == "train" else 1_000, seed=0, split=split)
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if preset == "tiny":  # the synthetic 'val' documents are built from the held-out 'test' problems
+        texts = synthetic_documents(20_000 if split == "train" else 1_000, seed=0,
+                                    split="train" if split == "train" else "test")
     elif preset == "full":
         texts = fineweb_texts(split)
     else:
@@ -408,3 +418,171 @@ class MultipleChoice:
         labels = list(row["choices"]["label"])
         return {"question": row["question"], "choices": list(row["choices"]["text"]),
                 "answer": labels.index(row["answerKey"]), "subject": self.name}
+
+
+# -----------------------------------------------------------------------------
+# Chat stages: synthetic preference pairs and task mixtures (sft.py, dpo.py)
+
+
+def _nearby_wrong(value, rng):
+    """A plausible wrong number near `value`: an off-by-a-little slip, never `value` itself."""
+    return value + rng.choice([-10, -2, -1, 1, 2, 10])
+
+
+def mistaken_answer(problem, rng):
+    """
+    The assistant content of a wrong answer to a synthetic problem, with one mistake of a kind a small model
+    makes: a slipped result copied into the final line, a wrong calculator call (story problems; its output
+    is the calculator's true result, so only the call is wrong), or no '#### <answer>' line at all. The
+    verifier scores every one of them 0.
+    """
+    answer = problem["answer"]
+    mistake = rng.choice(["slip", "format"] if problem["kind"] != "story" else ["slip", "call", "format"])
+    if mistake == "format":
+        return [{"type": "text", "text": f"The answer is {answer}."}]
+    if problem["kind"] != "story":
+        wrong = _nearby_wrong(answer, rng)
+        worked = problem["plain"].rsplit("=", 1)[0]  # "12 + 30 " of "12 + 30 = 42."
+        return [{"type": "text", "text": f"{worked}= {wrong}.\n#### {wrong}"}]
+    steps = list(problem["steps"])
+    if mistake == "call":  # flip the operator of the second step: adds what was lost (or the reverse)
+        expr, _ = steps[1]
+        left, op, right = next(expr.partition(o) for o in "+-" if o in expr)
+        flipped = "-" if op == "+" else "+"
+        steps[1] = (f"{left}{flipped}{right}", OPERATORS[flipped](int(left), int(right)))
+    final = steps[-1][1] if mistake == "call" else _nearby_wrong(answer, rng)
+    parts = [{"type": "text", "text": "First, "}]
+    for i, (expr, value) in enumerate(steps):
+        if i > 0:
+            parts.append({"type": "text", "text": ". Then, "})
+        parts.append({"type": "python", "text": expr})
+        parts.append({"type": "python_output", "text": str(value)})
+    parts.append({"type": "text", "text": f".\n#### {final}"})
+    return parts
+
+
+class SyntheticPreferences:
+    """
+    `size` preference pairs over the problems of SyntheticTask(split, size, seed): chosen is the reference
+    answer, rejected the same prompt answered with one mistake (mistaken_answer). pairs[i] is
+    {"chosen": conversation, "rejected": conversation, "answer": reference}; the mistake is drawn from a seed
+    of its own, so a pair is the same whatever order it is read in.
+    """
+
+    def __init__(self, split="train", size=1000, seed=0):
+        self.task = SyntheticTask(split, size, seed)
+        self.seed = seed
+
+    def __len__(self):
+        return len(self.task)
+
+    def __getitem__(self, i):
+        chosen = self.task[i]
+        rng = random.Random(f"mistake-{self.seed}-{i}")
+        rejected = chosen["messages"][:-1] + [{"role": "assistant", "content": mistaken_answer(self.task.problems[i], rng)}]
+        return {**preference_pair(chosen["messages"], rejected), "answer": chosen["answer"]}
+
+
+class RowTooLong(ValueError):
+    """A well-formed row longer than the stage's context: skipped, and counted apart from malformed rows."""
+
+
+class TaskMixture:
+    """
+    One stage's training (or held-out) data, declared in one place: `sources` is a list of (name, task, count),
+    `count` rows of `task` (None: all of them; more than len(task) repeats it, epoch after epoch), interleaved
+    in a seeded random order. mixture[k] -> (name, row). Rows are read lazily, so a malformed row raises
+    only when it is read; prepare_rows reads, renders and counts.
+    """
+
+    def __init__(self, sources, seed=0):
+        self.sources = []
+        self.index = []  # (source number, row number) of each mixture position
+        for s, (name, task, count) in enumerate(sources):
+            count = len(task) if count is None else count
+            if count > 0 and len(task) == 0:
+                raise ValueError(f"mixture source {name!r} is empty but {count} rows were asked of it")
+            self.sources.append((name, task, count))
+            self.index.extend((s, i % len(task)) for i in range(count))
+        random.Random(seed).shuffle(self.index)
+
+    def __len__(self):
+        return len(self.index)
+
+    def __getitem__(self, k):
+        s, i = self.index[k]
+        name, task, _ = self.sources[s]
+        return name, task[i]
+
+    def source(self, k):
+        """Name of the source that position k comes from (known without reading the row)."""
+        return self.sources[self.index[k][0]][0]
+
+    def summary(self):
+        """One line per source: how many rows it contributes, out of how many it has."""
+        lines = [f"  {name:<24s} {count:>9,d} rows (of {len(task):,})" for name, task, count in self.sources]
+        return "\n".join(lines + [f"  {'total':<24s} {len(self):>9,d} rows"])
+
+
+def prepare_rows(mixture, render, positions):
+    """
+    render(row) for mixture[k], k in `positions` (e.g. one DDP rank's share). A row that fails to load or to
+    render is skipped and counted, never trained on: RowTooLong as "too long", ValueError / KeyError / TypeError
+    (a missing column, a bad role, no final answer...) as "malformed".
+    Returns (rendered rows, Counter {(source name, reason): count}).
+    """
+    rendered, skipped = [], Counter()
+    for k in positions:
+        name = mixture.source(k)
+        try:
+            rendered.append(render(mixture[k][1]))
+        except RowTooLong:
+            skipped[name, "too long"] += 1
+        except (ValueError, KeyError, TypeError):
+            skipped[name, "malformed"] += 1
+    return rendered, skipped
+
+
+# -----------------------------------------------------------------------------
+# Packing pretraining text into (B, T) rows
+
+
+def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_size=1, start=(0, 0), encode_batch=256):
+    """
+    Yield (inputs, targets, position) batches of the documents in `texts` (an iterable of str), packed greedily:
+    each document is tokenized with <|bos|> prepended and the documents are concatenated into one stream, cut into
+    rows of seq_len + 1 tokens (a document may span rows and batches: this is pretraining). inputs = row[:-1],
+    targets = row[1:], both LongTensor (batch_size, seq_len). The tail that does not fill a batch is dropped.
+
+    DDP: document i belongs to rank i % world_size, so ranks never see the same text. `position` = (document index,
+    token offset) where the next batch of this rank begins; passing it back as `start` continues the stream
+    exactly where it left off (documents before it are skipped without being tokenized).
+    """
+    row_tokens = batch_size * (seq_len + 1)
+    first_doc, offset = start
+    mine = ((i, text) for i, text in enumerate(texts) if i >= first_doc and i % world_size == rank)
+    queue = deque()  # (document index, token ids) not yet packed; packing resumes at `offset` of queue[0]
+    queued = -offset  # tokens in the queue from `offset` on (the first document queued is the one `start` names)
+    next_doc = first_doc  # index just past the last document queued: where to resume if the queue runs dry
+    while True:
+        while queued < row_tokens:
+            chunk = list(islice(mine, encode_batch))
+            if not chunk:
+                return
+            for (i, _), ids in zip(chunk, tokenizer.encode([text for _, text in chunk], prepend="<|bos|>")):
+                queue.append((i, ids))
+                queued += len(ids)
+            next_doc = chunk[-1][0] + 1
+        row = []
+        while len(row) < row_tokens:
+            _, ids = queue[0]
+            take = ids[offset:offset + row_tokens - len(row)]
+            row.extend(take)
+            offset += len(take)
+            if offset == len(ids):
+                queue.popleft()
+                offset = 0
+        queued -= row_tokens
+        rows = torch.tensor(row, dtype=torch.long).view(batch_size, seq_len + 1)
+        position = (queue[0][0], offset) if queue else (next_doc, 0)
+        yield rows[:, :-1], rows[:, 1:], position

@@ -2,3 +2,33 @@ import torch
 
 # Two cores on CI: one intra-op thread per test process keeps timings predictable.
 torch.set_num_threads(2)
+
+
+# -----------------------------------------------------------------------------
+# Shared tiny building blocks (added by the eval tests; import the plain functions with `from conftest import ...`)
+
+
+def scripted_model(tokenizer, transitions, scale=1.0):
+    """
+    A real GPT whose next token depends only on the current token: transitions {token: next_token}.
+    init_weights zeroes the blocks' output projections, so every block is the identity and the final hidden state
+    is norm(embedding) = sqrt(C) * e_slot = 8 e_slot for a token embedded as the basis vector e_slot (C = 64).
+    lm_head row `next` gets `scale` on that slot: the scripted token's logit is 15 tanh(8 scale / 15) (~7.3 at
+    scale 1, ~11.8 at scale 2) against 0 for every other token, whose slot-0 embedding gives all-zero logits.
+    Greedy decoding follows the script exactly; sampling at temperature 1 follows it with probability
+    e^logit / (e^logit + V - 1) per step.
+    """
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=64, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64))
+    model.init_weights()
+    with torch.no_grad():
+        model.wte.weight.zero_()
+        model.wte.weight[:, 0] = 1.0
+        model.lm_head.weight.zero_()
+        for slot, (token, next_token) in enumerate(transitions.items(), start=1):
+            model.wte.weight[token] = 0.0
+            model.wte.weight[token, slot] = 1.0
+            model.lm_head.weight[next_token, slot] = scale
+    return model.eval()

@@ -1,11 +1,83 @@
-"""pass@k against the closed form and brute-force enumeration."""
+"""
+eval.py: pass@k against the closed form and brute force; pass@k curves, the coverage gain A, S and its bootstrap
+on hand-computed counts; multiple-choice scoring against manual log-prob sums and on a model that memorised the
+answers; generative counts with the real verifier; the same counts under torchrun (2 CPU processes, gloo) as in
+one process; the CLI (compare, local task files).
+"""
 
 import itertools
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
+import common
+import eval as ev
+from conftest import scripted_model
+from engine import Engine
 from eval import pass_at_k
+from model import GPT, GPTConfig
+from tasks import SyntheticTask, collate, synthetic_documents
+from tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+# -----------------------------------------------------------------------------
+# A real tokenizer and tiny real models
+
+COLORS = ["green", "blue", "red", "yellow"]
+FACTS = [("What color is the sky?", 1), ("What color is grass?", 0), ("What color is a fire truck?", 2),
+         ("What color is a banana?", 3)]
+ITEMS = [{"question": q, "choices": COLORS, "answer": a, "subject": "colors"} for q, a in FACTS]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = synthetic_documents(300) + [f"Question: {q}\nAnswer: {c}" for q, _ in FACTS for c in COLORS]
+    return Tokenizer.train(texts, 400)
+
+
+@pytest.fixture(scope="module")
+def random_model(tokenizer):
+    # PyTorch's default init: non-trivial attention and MLPs, so every choice gets a different score.
+    torch.manual_seed(0)
+    config = GPTConfig(sequence_len=48, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    return GPT(config).eval()
+
+
+@pytest.fixture(scope="module")
+def trained_model(tokenizer):
+    """A tiny model that memorised the four facts, as base text and as chat answers by letter."""
+    rows = []
+    for item in ITEMS:
+        context, continuations = ev.base_prompt(item, [], "continuation")
+        context_ids = tokenizer.encode(context, prepend="<|bos|>")
+        answer_ids = tokenizer.encode(continuations[item["answer"]])
+        rows.append((context_ids + answer_ids, [0] * len(context_ids) + [1] * len(answer_ids)))
+        conversation = ev.chat_prompt(item)
+        conversation["messages"].append({"role": "assistant", "content": "ABCD"[item["answer"]]})
+        rows.append(tokenizer.render_conversation(conversation))
+    x, y = collate(rows, pad_id=0)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=96, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64))
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(50):  # accuracy is 1.0 from ~30 steps on (loss ~0.02 at 50)
+        loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+# -----------------------------------------------------------------------------
+# pass@k
 
 
 @pytest.mark.parametrize("n, c, k", [(1, 0, 1), (1, 1, 1), (5, 2, 1), (5, 2, 3), (10, 3, 5), (10, 0, 10), (20, 19, 2), (16, 4, 16)])
@@ -31,3 +103,252 @@ def test_pass_at_k_large_n_is_stable():
 def test_pass_at_k_rejects_impossible_counts(n, c, k):
     with pytest.raises(ValueError):
         pass_at_k(n, c, k)
+
+
+# -----------------------------------------------------------------------------
+# pass@k curves and the coverage gain A, S (hand-computed)
+
+# 4 samples per problem; correct counts 0, 1, 4, 2.
+#   pass@1 per problem 0, 1/4, 1, 1/2                  -> mean 7/16 = 0.4375
+#   pass@2 = 1 - C(4-c, 2)/C(4, 2): 0, 1/2, 1, 5/6      -> mean 0.583333
+#   pass@3 = 1 - C(4-c, 3)/C(4, 3): 0, 3/4, 1, 1        -> mean 0.6875
+#   pass@4: 0, 1, 1, 1                                  -> mean 3/4
+#   A = 3/4 - 7/16 = 5/16,  S = (5/16) / (9/16) = 5/9
+COUNTS = [0, 1, 4, 2]
+
+
+def test_pass_at_k_curve_hand_computed():
+    assert ev.pass_at_k_curve(COUNTS, 4) == pytest.approx([0.4375, 0.5833333333, 0.6875, 0.75])
+
+
+def test_coverage_gain_hand_computed():
+    assert ev.coverage_gain(COUNTS, 4) == pytest.approx((7 / 16, 3 / 4, 5 / 16, 5 / 9))
+    # Sharpening: "sft" solves every problem 1 time in 4, "rl" two problems always and two never.
+    # rl doubles pass@1 (0.25 -> 0.5) but covers half the problems: A 0.75 -> 0, S 1 -> 0.
+    assert ev.coverage_gain([1, 1, 1, 1], 4) == pytest.approx((0.25, 1.0, 0.75, 1.0))
+    assert ev.coverage_gain([4, 4, 0, 0], 4) == pytest.approx((0.5, 0.5, 0.0, 0.0))
+    p1, pn, gain, normalised = ev.coverage_gain([3, 3], 3)  # everything solved: nothing left for S to measure
+    assert (p1, pn, gain) == (1.0, 1.0, 0.0) and math.isnan(normalised)
+
+
+def test_bootstrap_coverage_matches_resampling_by_hand():
+    correct = [0, 1, 4, 2, 3, 0, 4, 1, 2, 2]
+    got = ev.bootstrap_coverage(correct, 4, num_resamples=200, confidence=0.9, seed=7)
+    # The same resamples, each scored by the scalar coverage_gain.
+    picks = np.random.default_rng(7).integers(0, len(correct), size=(200, len(correct)))
+    scored = [ev.coverage_gain([correct[i] for i in row], 4) for row in picks]
+    for name, column in (("A", 2), ("S", 3)):
+        values = [s[column] for s in scored]
+        assert got[name] == pytest.approx(tuple(np.quantile(values, [0.05, 0.95])))
+    _, _, gain, normalised = ev.coverage_gain(correct, 4)
+    assert got["A"][0] <= gain <= got["A"][1] and got["S"][0] <= normalised <= got["S"][1]
+    assert ev.bootstrap_coverage(correct, 4, num_resamples=200, confidence=0.9, seed=7) == got  # seeded
+
+
+def test_bootstrap_coverage_degenerate_cases():
+    same = ev.bootstrap_coverage([1, 1, 1], 4, num_resamples=50)  # every resample is the data itself
+    assert same["A"] == pytest.approx((0.75, 0.75)) and same["S"] == pytest.approx((1.0, 1.0))
+    solved = ev.bootstrap_coverage([4, 4], 4, num_resamples=50)  # S undefined on every resample
+    assert solved["A"] == (0.0, 0.0) and all(math.isnan(v) for v in solved["S"])
+
+
+# -----------------------------------------------------------------------------
+# Bits per byte
+
+
+def test_bpb_of_a_uniform_model_is_log2_vocab_per_byte(tokenizer, tmp_path, monkeypatch):
+    # All logits 0: every target costs ln V nats, so bpb = log2(V) * (targets with bytes) / (their bytes).
+    uniform = scripted_model(tokenizer, {})
+    token_bytes = torch.tensor(tokenizer.token_bytes())
+    ids = tokenizer.encode(["What is 3 + 4?", "Tables: 2 * 5 = 10"], prepend="<|bos|>")
+    x, y = collate([(row, [1] * len(row)) for row in ids], pad_id=0)  # y: -1 in padding; <|bos|> has 0 bytes
+    counted = [t for t in y.flatten().tolist() if t >= 0 and t != tokenizer.bos_id]
+    expected = math.log2(tokenizer.vocab_size) * len(counted) / sum(len(tokenizer.decode([t]).encode()) for t in counted)
+    assert ev.evaluate_bpb(uniform, [(x, y)], token_bytes, "cpu") == pytest.approx(expected, rel=1e-6)
+
+    # the CLI: the preset's validation text, packed like pretraining, about --bpb-tokens tokens
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    common.save_checkpoint(common.checkpoint_dir("base"), 1, uniform, {}, tokenizer=tokenizer)
+    ev.main(["--stage", "base", "--tasks", "bpb", "--bpb-tokens", "2048", "--batch-size", "4", "--device", "cpu"])
+    batches = list(ev.validation_batches(tokenizer, "tiny", 4, uniform.config.sequence_len, 2048))
+    assert len(batches) == 2048 // (4 * 64)
+    targets = torch.cat([y.flatten() for _, y in batches])
+    expected = math.log2(tokenizer.vocab_size) * (token_bytes[targets] > 0).sum().item() / token_bytes[targets].sum().item()
+    assert common.read_report()[-1]["metrics"] == {"bpb": pytest.approx(expected, rel=1e-6)}
+
+
+# -----------------------------------------------------------------------------
+# Multiple choice
+
+
+def test_base_prompt_formats():
+    shot = {"question": "2+2?", "choices": ["3", "4"], "answer": 1, "subject": "high_school_math"}
+    item = {"question": "1+1?", "choices": ["2", "5"], "answer": 0, "subject": "high_school_math"}
+    assert ev.base_prompt(item, [shot], "continuation") == ("Question: 2+2?\nAnswer: 4\n\nQuestion: 1+1?\nAnswer:", [" 2", " 5"])
+    assert ev.base_prompt(item, [shot], "letter") == (
+        "The following are multiple choice questions (with answers) about high school math.\n\n"
+        "2+2?\nA. 3\nB. 4\nAnswer: B\n\n1+1?\nA. 2\nB. 5\nAnswer:", [" A", " B"])
+
+
+def test_pick_choices_sum_and_per_character():
+    # sums -2 and -3: acc takes choice 0; per character -2/2 = -1 and -3/6 = -0.5: acc_norm takes choice 1
+    assert ev.pick_choices([-2.0, -3.0], [" a", " bbbbb"]) == (0, 1)
+    assert ev.pick_choices([-1.0, -1.0], [" a", " b"]) == (0, 0)  # ties go to the first
+
+
+def test_continuation_logprobs_equal_manual_sums(random_model, tokenizer):
+    long_context = tokenizer.encode("Question: " + "What is 2 + 2? " * 12, prepend="<|bos|>")
+    assert len(long_context) > random_model.config.sequence_len  # this one is cut from the left
+    requests = [(tokenizer.encode("Question: What color is the sky?\nAnswer:", prepend="<|bos|>"), tokenizer.encode(f" {c}"))
+                for c in COLORS] + [(long_context, tokenizer.encode(" 4"))]
+    got = ev.continuation_logprobs(random_model, requests, "cpu", batch_size=3)  # padded batches of 3, 2
+    for (context, continuation), score in zip(requests, got):
+        ids = (context + continuation)[-(random_model.config.sequence_len + 1):]
+        x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+        y[0, :len(ids) - 1 - len(continuation)] = -1  # score the continuation only
+        manual = -random_model(x, y, loss_reduction="none").sum().item()
+        logprobs = random_model(x)[0].log_softmax(-1)  # (T, V), the same sum from the logits
+        by_hand = sum(logprobs[len(ids) - 1 - len(continuation) + j, t].item() for j, t in enumerate(continuation))
+        assert score == pytest.approx(manual, abs=1e-4) and score == pytest.approx(by_hand, abs=1e-4)
+
+
+def test_multiple_choice_picks_the_memorised_answers(trained_model, random_model, tokenizer):
+    result = ev.evaluate_multiple_choice(trained_model, tokenizer, ITEMS, "continuation", batch_size=8)
+    assert result == {"acc": 1.0, "acc_norm": 1.0, "count": 4}
+    assert ev.evaluate_multiple_choice_chat(trained_model, tokenizer, ITEMS, batch_size=3) == {"acc": 1.0, "count": 4}
+    # On a random model too, the choice picked is the argmax of the per-choice sums (base) and of the letter
+    # logits after the prompt, run alone and cut to the last sequence_len tokens (chat).
+    letters = [tokenizer.encode(letter)[0] for letter in "ABCD"]
+    for item in ITEMS:
+        context, continuations = ev.base_prompt(item, [], "continuation")
+        requests = [(tokenizer.encode(context, prepend="<|bos|>"), tokenizer.encode(c)) for c in continuations]
+        scores = ev.continuation_logprobs(random_model, requests, "cpu")
+        base = ev.evaluate_multiple_choice(random_model, tokenizer, [item], "continuation")
+        assert base["acc"] == float(max(range(4), key=scores.__getitem__) == item["answer"])
+        prompt = tokenizer.render_for_completion(ev.chat_prompt(item))[-random_model.config.sequence_len:]
+        letter_logits = random_model(torch.tensor([prompt]))[0, -1, letters]  # (4,)
+        chat = ev.evaluate_multiple_choice_chat(random_model, tokenizer, [item])
+        assert chat["acc"] == float(letter_logits.argmax().item() == item["answer"])
+
+
+# -----------------------------------------------------------------------------
+# Generative evaluation and the CLI, with a scripted model that always answers "#### 24"
+
+NUM_PROBLEMS = 40  # the first 40 held-out synthetic problems: 4 of them have the answer 24
+
+
+def answer_24_model(tokenizer, scale=1.0):
+    t = tokenizer.token_id
+    script = [t("<|assistant_start|>"), *tokenizer.encode("#### 24"), t("<|assistant_end|>")]
+    assert len(set(script)) == len(script)
+    return scripted_model(tokenizer, dict(zip(script[:-1], script[1:])), scale)
+
+
+def expected_correct(num_samples):
+    task = SyntheticTask("test", size=NUM_PROBLEMS)
+    return [num_samples * (p["answer"] == 24) for p in task.problems]
+
+
+def test_generative_counts_with_the_real_verifier(tokenizer):
+    engine = Engine(answer_24_model(tokenizer), tokenizer)
+    result = ev.evaluate_generative(engine, SyntheticTask("test", size=NUM_PROBLEMS), list(range(NUM_PROBLEMS)),
+                                    num_samples=2, ks=(1, 2), max_tokens=8, temperature=0.0, batch_size=16)
+    assert result["correct"].tolist() == expected_correct(2) and sum(expected_correct(1)) == 4
+    assert result["pass@1"] == result["pass@2"] == pytest.approx(4 / NUM_PROBLEMS)
+    assert result["errors"] == 0
+
+
+DDP_SCRIPT = """
+import json, sys
+import torch
+import common, eval as ev
+from engine import Engine
+from tasks import SyntheticTask
+
+torch.set_num_threads(1)
+out, scripted_dir, random_dir, items_path = sys.argv[1:]
+_, rank, _, world_size, device = common.compute_init("cpu")
+model, tokenizer, _ = common.load_model(scripted_dir, device)
+generative = ev.evaluate_generative(Engine(model, tokenizer), SyntheticTask("test", size=40), list(range(40)),
+                                    num_samples=2, ks=(1, 2), max_tokens=8, temperature=0.0, batch_size=8)
+model, tokenizer, _ = common.load_model(random_dir, device)
+items = json.load(open(items_path))
+base = ev.evaluate_multiple_choice(model, tokenizer, items, "continuation", num_shots=1, batch_size=8)
+chat = ev.evaluate_multiple_choice_chat(model, tokenizer, items, batch_size=4)
+if rank == 0:
+    generative["correct"] = generative["correct"].tolist()
+    json.dump({"world_size": world_size, "generative": generative, "base": base, "chat": chat}, open(out, "w"))
+common.compute_cleanup()
+"""
+
+
+@pytest.mark.slow
+def test_distributed_eval_gathers_the_same_counts_as_one_process(tokenizer, random_model, tmp_path):
+    common.save_checkpoint(tmp_path / "scripted", 0, answer_24_model(tokenizer), {}, tokenizer=tokenizer)
+    common.save_checkpoint(tmp_path / "random", 0, random_model, {}, tokenizer=tokenizer)
+    problems = SyntheticTask("test", size=30, seed=1).problems  # multiple choice: the answer and three near misses
+    items = [{"question": p["question"], "choices": [str(p["answer"] + d) for d in (0, 1, -1, 10)][i % 4:] +
+              [str(p["answer"] + d) for d in (0, 1, -1, 10)][:i % 4], "answer": (4 - i % 4) % 4, "subject": p["kind"]}
+             for i, p in enumerate(problems)]
+    (tmp_path / "items.json").write_text(json.dumps(items))
+    (tmp_path / "ddp_eval.py").write_text(DDP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "NANOPOST_HOME": str(tmp_path)}
+    args = [str(tmp_path / name) for name in ("scripted", "random", "items.json")]
+    single = [sys.executable, str(tmp_path / "ddp_eval.py"), str(tmp_path / "one.json"), *args]
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(tmp_path / "ddp_eval.py"), str(tmp_path / "two.json"), *args]
+    for command in (single, ddp):
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
+    assert (one.pop("world_size"), two.pop("world_size")) == (1, 2)
+    assert one == two
+    assert one["generative"]["correct"] == expected_correct(2)
+    assert one["base"]["count"] == one["chat"]["count"] == 30
+
+
+def test_cli_compare_writes_records_and_the_report(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    # "sft" follows the script with probability ~0.79 per token, "rl" (sharper) with ~0.997.
+    common.save_checkpoint(common.checkpoint_dir("sft"), 10, answer_24_model(tokenizer, scale=1.0), {}, tokenizer=tokenizer)
+    common.save_checkpoint(common.checkpoint_dir("rl"), 20, answer_24_model(tokenizer, scale=2.0), {}, tokenizer=tokenizer)
+    ev.main(["--compare", "sft", "rl", "--tasks", "synthetic", "--num-samples", "4", "--k", "1,2,4",
+             "--max-problems", str(NUM_PROBLEMS), "--max-tokens", "6", "--device", "cpu"])
+    records = common.read_report()
+    assert [(r["stage"], r["of"], r["step"]) for r in records] == [("eval", "sft", 10), ("eval", "rl", 20)]
+    solvable = [i for i, c in enumerate(expected_correct(1)) if c]
+    for record in records:
+        correct = record["coverage"]["synthetic"]["correct"]
+        assert record["coverage"]["synthetic"]["samples"] == 4 and len(correct) == NUM_PROBLEMS
+        assert all(c == 0 for i, c in enumerate(correct) if i not in solvable)  # never right by accident
+        for k in (1, 2, 4):
+            assert record["metrics"][f"synthetic/pass@{k}"] == pytest.approx(ev.pass_at_k_curve(correct, 4)[k - 1])
+    sft, rl = (r["coverage"]["synthetic"]["correct"] for r in records)
+    assert sum(rl) > sum(sft)  # the sharper policy is right more often
+    report = (tmp_path / "report.md").read_text()
+    assert "## Coverage" in report and "| synthetic | sft | 4 | 40 |" in report and "| synthetic | rl | 4 | 40 |" in report
+
+
+def test_cli_rejects_k_above_num_samples(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    with pytest.raises(SystemExit):
+        ev.main(["--stage", "sft", "--num-samples", "2", "--k", "1,4"])
+    with pytest.raises(SystemExit):
+        ev.main(["--compare", "sft", "rl", "--num-samples", "1"])
+
+
+def test_cli_multiple_choice_from_local_files(trained_model, tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    rows = [{"id": str(i), "question": item["question"], "answerKey": "ABCD"[item["answer"]],
+             "choices": {"text": item["choices"], "label": list("ABCD")}} for i, item in enumerate(ITEMS)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "arc-easy.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    common.save_checkpoint(tmp_path / "ckpt", 5, trained_model, {}, tokenizer=tokenizer)
+    for stage in ("base", "sft"):  # base: log-likelihood of the answer text; sft: log-prob of the letter
+        ev.main(["--stage", stage, "--ckpt", str(tmp_path / "ckpt"), "--tasks", "arc-easy",
+                 "--data-dir", str(tmp_path / "data"), "--device", "cpu"])
+    base, sft = common.read_report()
+    assert base["metrics"] == {"arc-easy/acc": 1.0, "arc-easy/acc_norm": 1.0}
+    assert sft["metrics"] == {"arc-easy/acc": 1.0}
+    with pytest.raises(FileNotFoundError, match="mmlu"):
+        ev.main(["--stage", "base", "--ckpt", str(tmp_path / "ckpt"), "--tasks", "mmlu", "--data-dir", str(tmp_path / "data")])

@@ -1,0 +1,470 @@
+"""
+Preference optimisation of the SFT model: DPO and its variants (IPO, SLiC hinge, robust/conservative DPO,
+length-normalised DPO, SimPO), from a hub preference set, the synthetic pairs, or on-policy pairs the SFT model
+generates itself and the task verifier labels.
+
+    python dpo.py --preset tiny                     # CPU, minutes: self-generated pairs on synthetic problems
+    torchrun --nproc_per_node=8 dpo.py              # full: UltraFeedback-binarized, ~20-30 min on 8xH100
+    torchrun --nproc_per_node=8 dpo.py --pairs self-generated --task gsm8k   # on-policy GSM8K pairs
+    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 dpo.py   # and node-rank=1
+
+A pair is two token sequences, chosen and rejected, that share one prompt rendering; the sequence log-probability
+log pi(y|x) sums the log-probs of the answer's trained tokens only (mask 1: the model's own tokens, not the prompt
+and not forced tool outputs). The reference model is the SFT model: its log-probs are computed once over the
+dataset before training and the copy is dropped (--live-reference keeps a frozen copy and runs it every step).
+"""
+
+import argparse
+import copy
+import random
+import time
+from collections import Counter
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import common
+from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
+from engine import Engine
+from eval import completion_text, evaluate_generative
+from tasks import (GSM8K, RowTooLong, SyntheticPreferences, SyntheticTask, TaskMixture, UltraFeedback, collate,
+                   prepare_rows, safe_reward)
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo")
+# What a DPO step logs (means over the step's pairs), TRL's names.
+STAT_NAMES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "logps/chosen",
+              "logps/rejected")
+
+# Defaults per preset; explicit flags win.
+# full (8xH100, ~20-30 min for a depth-20 model): one epoch of UltraFeedback-binarized train_prefs (61k pairs, ~600
+# tokens a side): a reference pass (forward only) plus a policy pass over ~75M tokens, 32 pairs per rank per
+# micro-batch. --pairs self-generated --task gsm8k instead samples 8 answers to each of the 7.5k GSM8K train problems
+# (the generation dominates: ~10 min) and keeps one correct/incorrect pair per problem that has both.
+PRESETS = {
+    "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=2048, eval_pairs=256, samples=8,
+                 temperature=1.0, beta=0.1, lr_frac=0.1, batch_size=32, device_batch_size=16, epochs=1,
+                 eval_every=10, check_problems=256, check_samples=4, max_new_tokens=64, save_every=0),
+    "full": dict(pairs="ultrafeedback", task="gsm8k", train_pairs=None, eval_pairs=1000, samples=8,
+                 temperature=1.0, beta=0.1, lr_frac=0.01, batch_size=256, device_batch_size=32, epochs=1,
+                 eval_every=50, check_problems=500, check_samples=1, max_new_tokens=512, save_every=100),
+}
+# The learning rates of pretraining (model.setup_optimizers), scaled by --lr-frac.
+MATRIX_LR, EMBEDDING_LR, UNEMBEDDING_LR = 0.02, 0.2, 0.004
+
+
+def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta,
+             loss_type="sigmoid", label_smoothing=0.0, gamma=0.5, chosen_lengths=None, rejected_lengths=None):
+    """
+    Per-pair preference losses. Inputs are (B,) sequence log-probs log pi(y|x) of the chosen (w) and rejected (l)
+    answers under the policy and the reference, and their lengths |y| in trained tokens. With the log-ratio
+    margin
+        h = [log pi(y_w|x) - log ref(y_w|x)] - [log pi(y_l|x) - log ref(y_l|x)],   sigma the logistic function,
+    and eps = label_smoothing, loss_type selects:
+
+    sigmoid       DPO (Rafailov et al. 2023, eq. 7):      -log sigma(beta h)
+                  with eps > 0, conservative DPO (cDPO; Mitchell 2023, "A note on DPO with noisy preferences"):
+                                                          -(1 - eps) log sigma(beta h) - eps log sigma(-beta h)
+    ipo           IPO (Azar et al. 2023, eq. 17, tau = beta):   (h - 1 / (2 beta))^2
+    hinge         SLiC-HF calibration loss (Zhao et al. 2023) on the log-ratio margin:   max(0, 1 - beta h)
+    robust        robust DPO (rDPO; Chowdhury et al. 2024, "Provably Robust DPO", eq. 8), an unbiased loss when a
+                  fraction eps < 1/2 of the labels is flipped:
+                        [-(1 - eps) log sigma(beta h) + eps log sigma(-beta h)] / (1 - 2 eps)
+    sigmoid_norm  DPO on length-normalised log-ratios (the normalisation SimPO applies, with the reference kept):
+                        h_n = [log pi(y_w|x) - log ref(y_w|x)] / |y_w| - [log pi(y_l|x) - log ref(y_l|x)] / |y_l|,
+                        -(1 - eps) log sigma(beta h_n) - eps log sigma(-beta h_n)
+    simpo         SimPO (Meng et al. 2024, eq. 6): reference-free, length-normalised, target margin gamma:
+                        -log sigma(beta log pi(y_w|x) / |y_w| - beta log pi(y_l|x) / |y_l| - gamma)
+                  (with eps > 0 smoothed like cDPO; the reference log-probs are ignored).
+
+    The gradient of DPO with respect to the margin, dL/dh = -beta sigma(-beta h), vanishes once the pair is
+    ranked confidently. Returns (losses, chosen_rewards, rejected_rewards), each (B,); the rewards are the implicit
+    rewards each loss compares, detached: beta (log pi - log ref), divided by |y| for sigmoid_norm, and
+    beta log pi / |y| for simpo.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    if not 0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if label_smoothing and loss_type in ("ipo", "hinge"):
+        raise ValueError(f"label_smoothing does not apply to loss_type {loss_type!r}; "
+                         "use sigmoid (cDPO), robust, sigmoid_norm or simpo")
+    if loss_type in ("sigmoid_norm", "simpo") and (chosen_lengths is None or rejected_lengths is None):
+        raise ValueError(f"loss_type {loss_type!r} divides by answer lengths: pass chosen_lengths and rejected_lengths")
+    if loss_type == "simpo":
+        chosen = policy_chosen_logps / chosen_lengths
+        rejected = policy_rejected_logps / rejected_lengths
+    elif loss_type == "sigmoid_norm":
+        chosen = (policy_chosen_logps - ref_chosen_logps) / chosen_lengths
+        rejected = (policy_rejected_logps - ref_rejected_logps) / rejected_lengths
+    else:
+        chosen = policy_chosen_logps - ref_chosen_logps
+        rejected = policy_rejected_logps - ref_rejected_logps
+    margin = chosen - rejected  # (B,) h, h_n, or SimPO's length-normalised log-prob difference
+    logits = beta * margin - (gamma if loss_type == "simpo" else 0.0)
+    eps = label_smoothing
+    if loss_type == "ipo":
+        losses = (margin - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = F.relu(1 - logits)
+    elif loss_type == "robust":
+        losses = (-(1 - eps) * F.logsigmoid(logits) + eps * F.logsigmoid(-logits)) / (1 - 2 * eps)
+    else:  # sigmoid, sigmoid_norm, simpo
+        losses = -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+def sequence_logps(model, inputs, targets):
+    """
+    log pi(y|x) = sum_t log p(y_t | x, y_<t) over each row's target tokens (targets != -1), and the number of those
+    tokens. inputs, targets: (B, T). Returns ((B,) log-probs, (B,) lengths).
+    """
+    token_logps = -model(inputs, targets, loss_reduction="none")  # (B, T), 0 where targets == -1
+    return token_logps.sum(-1), (targets >= 0).sum(-1)
+
+
+def render_pair(tokenizer, pair, max_seq_len):
+    """
+    A {"chosen", "rejected"} pair of conversations as ((chosen_ids, chosen_mask), (rejected_ids, rejected_mask)).
+    Both must render the same prompt (every token before the last <|assistant_start|>); the masks keep the
+    renderer's 1s of the final answer only, so earlier assistant turns (part of the prompt) are not scored.
+    Raises ValueError for different prompts, RowTooLong when a side exceeds max_seq_len tokens.
+    """
+    prompt = tokenizer.render_for_completion(pair["chosen"])
+    if tokenizer.render_for_completion(pair["rejected"]) != prompt:
+        raise ValueError("chosen and rejected render different prompts")
+    sides = []
+    for side in ("chosen", "rejected"):
+        ids, mask = tokenizer.render_conversation(pair[side])
+        if len(ids) > max_seq_len:
+            raise RowTooLong(f"{side} answer makes {len(ids)} tokens, more than --max-seq-len {max_seq_len}")
+        sides.append((ids, [0] * len(prompt) + mask[len(prompt):]))
+    return tuple(sides)
+
+
+def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64):
+    """
+    On-policy preference pairs: sample `num_samples` answers to each task[i] with the engine, score each with the
+    task's verifier (safe_reward: a crash or a timeout is incorrect), and pair one correct answer (reward > 0) with
+    one incorrect answer, each drawn at random among its kind; a prompt whose answers are all right or all wrong
+    gives no pair. The pair is made of the engine's own token ids, never re-tokenized: ids = prompt + completion
+    tokens, mask = 0 on the prompt and the completion's mask (1 where the model sampled the token, 0 on forced
+    tool outputs). Returns (pairs as ((ids, mask), (ids, mask)), Counter of outcomes per prompt).
+    """
+    pairs, stats = [], Counter()
+    for start in range(0, len(indices), prompts_per_batch):
+        batch = indices[start:start + prompts_per_batch]
+        conversations = [task[i] for i in batch]
+        prompts = [engine.tokenizer.render_for_completion(c) for c in conversations]
+        results = engine.generate(prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
+                                  seed=seed + start)
+        for i, conversation, prompt, completions in zip(batch, conversations, prompts, results):
+            correct, incorrect = [], []
+            for completion in completions:
+                reward, error = safe_reward(task, conversation, completion_text(engine.tokenizer, completion))
+                stats["verifier errors"] += int(error)
+                (correct if reward > 0 else incorrect).append(completion)
+            if not correct or not incorrect:
+                stats["all correct" if correct else "all incorrect"] += 1
+                continue
+            rng = random.Random(f"{seed}-{i}")
+            chosen, rejected = rng.choice(correct), rng.choice(incorrect)
+            pairs.append(tuple((prompt + c.tokens, [0] * len(prompt) + c.mask) for c in (chosen, rejected)))
+            stats["paired"] += 1
+    return pairs, stats
+
+
+def pair_batch(pairs, pad_id):
+    """(inputs, targets) of shape (2B, T) for B pairs: the chosen sides in rows 0..B-1, the rejected in B..2B-1."""
+    return collate([chosen for chosen, _ in pairs] + [rejected for _, rejected in pairs], pad_id)
+
+
+def pair_logps(model, pairs, pad_id, device):
+    """Policy (or reference) sequence log-probs and lengths of a list of pairs: four (B,) tensors."""
+    inputs, targets = pair_batch(pairs, pad_id)
+    with autocast_ctx(device):
+        logps, lengths = sequence_logps(model, inputs.to(device), targets.to(device))  # (2B,) each
+    B = len(pairs)
+    return logps[:B], logps[B:], lengths[:B], lengths[B:]
+
+
+@torch.no_grad()
+def reference_logps(model, pairs, batch_size, pad_id, device):
+    """(N, 2) reference log-probs [chosen, rejected] of every pair, computed once, batch by batch."""
+    out = []
+    for i in range(0, len(pairs), batch_size):
+        chosen, rejected, _, _ = pair_logps(model, pairs[i:i + batch_size], pad_id, device)
+        out.append(torch.stack([chosen, rejected], dim=1).float())
+    return torch.cat(out) if out else torch.zeros(0, 2, device=device)
+
+
+def preference_losses(policy, pairs, ref, args, pad_id, device):
+    """
+    Per-pair training losses and log statistics of a micro-batch. `ref` is (B, 2) reference log-probs
+    [chosen, rejected]. With --sft-weight alpha, adds RPO's NLL of the chosen answer (Pang et al. 2024,
+    "Iterative Reasoning Preference Optimization", eq. 1): alpha * (-log pi(y_w|x) / |y_w|), which keeps the
+    chosen log-probs from drifting down while the margin grows.
+    """
+    chosen, rejected, chosen_len, rejected_len = pair_logps(policy, pairs, pad_id, device)
+    losses, chosen_rewards, rejected_rewards = dpo_loss(
+        chosen, rejected, ref[:, 0], ref[:, 1], args.beta, args.loss_type, args.label_smoothing, args.gamma,
+        chosen_len, rejected_len)
+    if args.sft_weight:
+        losses = losses + args.sft_weight * (-chosen / chosen_len)
+    stats = {"loss": losses, "rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
+             "rewards/margins": chosen_rewards - rejected_rewards,
+             "rewards/accuracy": (chosen_rewards > rejected_rewards).float(),
+             "logps/chosen": chosen, "logps/rejected": rejected}
+    return losses, {name: value.detach().sum().double() for name, value in stats.items()}
+
+
+def mean_stats(stat_sums, count, device):
+    """Means of summed statistics over `count` pairs on every rank, summed across DDP ranks."""
+    names = sorted(stat_sums)
+    sums = torch.stack([stat_sums[name] for name in names] + [torch.tensor(float(count), dtype=torch.float64,
+                                                                           device=device)])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    return {name: (sums[i] / sums[-1]).item() for i, name in enumerate(names)}
+
+
+@torch.no_grad()
+def evaluate_preferences(model, pairs, ref, args, pad_id, device):
+    """Held-out preference statistics (loss, rewards, margins, accuracy, log-probs), means over all ranks' pairs."""
+    sums = Counter()
+    for i in range(0, len(pairs), args.device_batch_size):
+        _, stats = preference_losses(model, pairs[i:i + args.device_batch_size], ref[i:i + args.device_batch_size],
+                                     args, pad_id, device)
+        sums.update(stats)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    return mean_stats({name: sums.get(name, zero) for name in STAT_NAMES}, len(pairs), device)
+
+
+def eval_task(name, split, size, seed):
+    """The verifiable task whose prompts make self-generated pairs and whose held-out accuracy is checked."""
+    if name == "synthetic":
+        return SyntheticTask(split, size=size or 1000, seed=seed)
+    return GSM8K(split, size=size)
+
+
+def preference_mixture(source, split, size, seed):
+    """The preference data of a static --pairs source, in one place: UltraFeedback-binarized or the synthetic pairs."""
+    if source == "ultrafeedback":
+        return TaskMixture([("ultrafeedback", UltraFeedback("train_prefs" if split == "train" else "test_prefs",
+                                                            size=size), None)], seed=seed)
+    return TaskMixture([("synthetic", SyntheticPreferences(split, size or 1000, seed), None)], seed=seed)
+
+
+def task_accuracy(model, tokenizer, args, device):
+    """Held-out pass@1 of --task: greedy, and at temperature 1 (args.check_samples samples per problem)."""
+    engine = Engine(model, tokenizer)
+    task = eval_task(args.task, "test", args.check_problems, args.seed)
+    indices = list(range(len(task)))
+    with autocast_ctx(device):
+        greedy = evaluate_generative(engine, task, indices, max_tokens=args.max_new_tokens, temperature=0.0,
+                                     seed=args.seed)
+        sampled = evaluate_generative(engine, task, indices, num_samples=args.check_samples,
+                                      max_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed)
+    return {"pass@1": greedy["pass@1"], "pass@1_t1": sampled["pass@1"]}
+
+
+def build_pairs(args, model, tokenizer, split, max_seq_len):
+    """
+    This rank's share of the --pairs preference pairs of `split`, as ((ids, mask), (ids, mask)), and counts of what
+    happened to the rows of all ranks (pairs kept, rows skipped as malformed or too long, prompts without a pair).
+    """
+    _, rank, _, world_size = common.get_dist_info()
+    size = args.train_pairs if split == "train" else args.eval_pairs
+    if args.pairs == "self-generated":
+        task = eval_task(args.task, split, size, args.seed)
+        with autocast_ctx(model.lm_head.weight.device):
+            pairs, counts = self_generated_pairs(Engine(model, tokenizer), task, list(range(rank, len(task), world_size)),
+                                                 args.samples, args.max_new_tokens, args.temperature,
+                                                 seed=args.seed + 1_000_003 * rank)
+        fits = [max(len(chosen[0]), len(rejected[0])) <= max_seq_len for chosen, rejected in pairs]
+        counts["too long"] = fits.count(False)
+        pairs = [pair for pair, fit in zip(pairs, fits) if fit]
+    else:
+        mixture = preference_mixture(args.pairs, split, size, args.seed)
+        print0(f"{split} mixture:\n{mixture.summary()}")
+        pairs, skipped = prepare_rows(mixture, lambda pair: render_pair(tokenizer, pair, max_seq_len),
+                                      range(rank, len(mixture), world_size))
+        counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
+        counts["paired"] = len(pairs)
+    if dist.is_initialized():
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, counts)
+        counts = sum(gathered, Counter())
+    return pairs, counts
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Preference optimisation (DPO and variants) of the SFT model.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="defaults for the flags below")
+    parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
+    parser.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
+    parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no logging)")
+    parser.add_argument("--ckpt", default=None, help="SFT checkpoint: the initial policy and the reference "
+                        "(default: checkpoints/sft)")
+    parser.add_argument("--out", default=None, help="where to save (default: checkpoints/dpo)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    parser.add_argument("--pairs", choices=("ultrafeedback", "synthetic", "self-generated"),
+                        help="preference data: the hub set, the synthetic pairs, or pairs sampled from the SFT model "
+                             "and labelled by --task's verifier")
+    parser.add_argument("--task", choices=("synthetic", "gsm8k"),
+                        help="verifiable task: prompts of self-generated pairs, and the held-out accuracy check")
+    parser.add_argument("--train-pairs", type=int, help="pairs (self-generated: prompts) to train on")
+    parser.add_argument("--eval-pairs", type=int, help="held-out pairs (self-generated: prompts)")
+    parser.add_argument("--samples", type=int, help="answers sampled per prompt for self-generated pairs")
+    parser.add_argument("--temperature", type=float, help="sampling temperature of self-generated pairs")
+    parser.add_argument("--loss-type", choices=LOSS_TYPES, default="sigmoid", help="see dpo_loss")
+    parser.add_argument("--beta", type=float, help="inverse temperature of the implicit reward (simpo: ~2)")
+    parser.add_argument("--label-smoothing", type=float, default=0.0,
+                        help="assumed fraction of flipped labels (sigmoid: cDPO, robust: rDPO)")
+    parser.add_argument("--gamma", type=float, default=0.5, help="SimPO target margin")
+    parser.add_argument("--sft-weight", type=float, default=0.0, help="weight of the NLL of chosen answers (RPO)")
+    parser.add_argument("--live-reference", action="store_true",
+                        help="keep a frozen reference model and run it every step instead of precomputing")
+    parser.add_argument("--epochs", type=int, help="passes over the training pairs")
+    parser.add_argument("--batch-size", type=int, help="pairs per optimizer step, all ranks together")
+    parser.add_argument("--device-batch-size", type=int, help="pairs per micro-batch per rank")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="longest side of a pair, in tokens; longer pairs are skipped (default: the model's "
+                             "sequence_len)")
+    parser.add_argument("--lr-frac", type=float, help="learning rates as a fraction of pretraining's; decays linearly to 0")
+    parser.add_argument("--eval-every", type=int, help="held-out preference metrics every this many steps")
+    parser.add_argument("--check-problems", type=int, help="held-out problems of --task for the accuracy check")
+    parser.add_argument("--check-samples", type=int, help="samples per problem for pass@1 at temperature 1")
+    parser.add_argument("--max-new-tokens", type=int, help="longest generated answer")
+    parser.add_argument("--save-every", type=int, help="save a resumable checkpoint every this many steps (0: never)")
+    args = parser.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+    ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
+    out_dir = args.out or common.checkpoint_dir("dpo")
+    resume_state = None
+    if args.resume and common.has_checkpoint(out_dir):
+        state, meta, extra = common.load_checkpoint(out_dir, device=device)
+        if meta.get("finished"):
+            print0(f"dpo already finished ({out_dir}, step {meta['step']}); nothing to do")
+            compute_cleanup()
+            return
+        resume_state = (state, extra)
+
+    # The SFT model is both the initial policy and the reference.
+    model, tokenizer, sft_meta = common.load_model(args.ckpt or common.checkpoint_dir("sft"), device)
+    max_seq_len = args.max_seq_len or model.config.sequence_len
+    pad_id = tokenizer.bos_id
+    print0(f"loaded SFT model: {model.num_params():,} parameters; {args.loss_type} loss, beta {args.beta}, "
+           f"pairs: {args.pairs}")
+
+    # Data: each rank builds its own share of the pairs. Everything is deterministic given the SFT model and the
+    # seed, so a resumed run rebuilds the same pairs and reference log-probs.
+    t0 = time.time()
+    train_pairs, train_counts = build_pairs(args, model, tokenizer, "train", max_seq_len)
+    eval_pairs, eval_counts = build_pairs(args, model, tokenizer, "test", max_seq_len)
+    print0(f"pairs: train {dict(train_counts)} | held-out {dict(eval_counts)}")
+
+    reference = copy.deepcopy(model).requires_grad_(False) if args.live_reference else None
+    if reference is None:
+        train_ref = reference_logps(model, train_pairs, args.device_batch_size, pad_id, device)  # (N, 2)
+        print0("reference log-probs precomputed; the reference model is not kept")
+    eval_ref = reference_logps(model, eval_pairs, args.device_batch_size, pad_id, device)  # (N_eval, 2)
+    print0(f"data ready in {time.time() - t0:.0f}s")
+
+    if args.batch_size % (args.device_batch_size * world_size):
+        raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --device-batch-size "
+                         f"{args.device_batch_size} x {world_size} ranks")
+    pairs_per_rank = args.batch_size // world_size
+    min_pairs = torch.tensor(len(train_pairs), device=device)
+    if ddp:
+        dist.all_reduce(min_pairs, op=dist.ReduceOp.MIN)  # every rank must take the same number of steps
+    num_steps = args.epochs * min_pairs.item() // pairs_per_rank
+    if num_steps < 1:
+        raise ValueError(f"{min_pairs.item()} training pairs per rank are fewer than one step's {pairs_per_rank}; "
+                         "generate more (--train-pairs, --samples) or lower --batch-size")
+    print0(f"{num_steps} steps of {args.batch_size} pairs over {min_pairs.item() * world_size} pairs, "
+           f"{len(eval_pairs) * world_size} held-out pairs")
+
+    optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
+                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    start_step = 0
+    if resume_state is not None:
+        state, extra = resume_state
+        model.load_state_dict(state)
+        for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+        start_step = extra["step"]
+        print0(f"resuming from step {start_step}")
+    policy = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp else model
+    logger = common.Logger(args.run, vars(args))
+
+    before = {**task_accuracy(model, tokenizer, args, device),
+              **evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device)}
+    print0(f"before: held-out {args.task} pass@1 greedy {before['pass@1']:.1%}, T=1 {before['pass@1_t1']:.1%} | "
+           f"pref loss {before['loss']:.4f}, accuracy {before['rewards/accuracy']:.1%}")
+    micro_steps = pairs_per_rank // args.device_batch_size
+    t0 = time.time()
+    for step in range(start_step, num_steps):
+        lr_multiplier = 1.0 - step / num_steps  # linear decay to 0
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * lr_multiplier
+        positions = [(step * pairs_per_rank + i) % len(train_pairs) for i in range(pairs_per_rank)]
+        sums = Counter()
+        for m in range(micro_steps):
+            chunk = positions[m * args.device_batch_size:(m + 1) * args.device_batch_size]
+            pairs = [train_pairs[p] for p in chunk]
+            if reference is None:
+                ref = train_ref[chunk]  # (B, 2)
+            else:
+                with torch.no_grad():
+                    ref = torch.stack(pair_logps(reference, pairs, pad_id, device)[:2], dim=1).float()
+            # Gradients are all-reduced once, after the last micro-batch of the step.
+            sync = policy.no_sync() if ddp and m < micro_steps - 1 else nullcontext()
+            with sync:
+                losses, stats = preference_losses(policy, pairs, ref, args, pad_id, device)
+                # Every micro-batch holds the same number of pairs: the mean over the step is the mean of means.
+                (losses.mean() / micro_steps).backward()
+            sums.update(stats)
+        for optimizer in optimizers:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+        log = {f"train/{name}": value for name, value in mean_stats(dict(sums), pairs_per_rank, device).items()}
+        line = f"step {step + 1:4d}/{num_steps} | loss {log['train/loss']:.4f} | margin {log['train/rewards/margins']:+.3f}"
+        line += f" | acc {log['train/rewards/accuracy']:.0%} | logp w/l {log['train/logps/chosen']:.1f}/{log['train/logps/rejected']:.1f}"
+        if (step + 1) % args.eval_every == 0 or step + 1 == num_steps:
+            held_out = evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device)
+            log.update({f"val/{name}": value for name, value in held_out.items()})
+            line += f" | val loss {held_out['loss']:.4f} acc {held_out['rewards/accuracy']:.1%}"
+        elapsed = time.time() - t0
+        print0(line + f" | eta {format_eta(elapsed / (step + 1 - start_step) * (num_steps - step - 1))}")
+        logger.log(log, step + 1)
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps and rank == 0:
+            common.save_checkpoint(out_dir, step + 1, model, {"stage": "dpo", "finished": False}, tokenizer=tokenizer,
+                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers]})
+
+    after = {**task_accuracy(model, tokenizer, args, device),
+             **evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device)}
+    print0(f"after:  held-out {args.task} pass@1 greedy {before['pass@1']:.1%} -> {after['pass@1']:.1%}, "
+           f"T=1 {before['pass@1_t1']:.1%} -> {after['pass@1_t1']:.1%} | pref loss {after['loss']:.4f}, "
+           f"accuracy {after['rewards/accuracy']:.1%}, margin {after['rewards/margins']:+.3f}")
+    logger.log({f"final/{k}": v for k, v in after.items()}, num_steps)
+    logger.finish()
+    if rank == 0:
+        meta = {"stage": "dpo", "finished": True, "preset": args.preset, "args": vars(args), "metrics": after,
+                "sft_step": sft_meta.get("step")}
+        print0(f"saved {common.save_checkpoint(out_dir, num_steps, model, meta, tokenizer=tokenizer)}")
+    common.append_report({"stage": "dpo", "preset": args.preset, "pairs": args.pairs, "loss_type": args.loss_type,
+                          "steps": num_steps, "train_pairs": min_pairs.item() * world_size,
+                          **{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()},
+                          "pairs_train": dict(train_counts), "pairs_held_out": dict(eval_counts)})
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,687 @@
+"""
+Reinforcement learning from verifiable rewards: the GRPO family, one loop, every knob of 2024-2026 as a flag.
+
+    python rl.py --preset tiny                                  # CPU, synthetic arithmetic, ~10 minutes
+    python rl.py --preset full                                  # GSM8K on one GPU
+    torchrun --nproc_per_node=8 rl.py --preset full             # one node, 8 GPUs
+    torchrun --nnodes=2 --nproc_per_node=8 --node-rank=0 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+             rl.py --preset full                                # two nodes (node-rank 1 on the other)
+
+Each step, on every rank (ranks hold different prompts; a group never spans ranks):
+    1. rollout   draw prompts; Engine.generate samples G completions of each (one prefill per prompt, all rows decoded
+                 together) and keeps their token ids, masks (0 on forced tool output) and behavior log-probs. The
+                 learner trains on exactly those ids: text is never re-tokenized.
+    2. score     the task's verifier (tasks.safe_reward: a crash or timeout is 0 and counted), plus the optional DAPO
+                 overlong penalty; dynamic sampling drops groups whose rewards are all equal and samples again.
+    3. advantage group_advantages: every token of a completion carries its completion's advantage.
+    4. update    one no-grad pass scores the batch with the current weights (old log-probs, entropy, the engine/trainer
+                 gap); then `--epochs` passes of `--minibatches` optimizer steps each minimise policy_loss (+ KL).
+    5. every --eval-every steps: held-out pass@1 / pass@k (eval.evaluate_generative); at the end: checkpoint + report.
+
+The default recipe (`--preset` only chooses data, sizes and learning rates; the algorithm is the same):
+    - GRPO groups with std scaling, A_i = (r_i - mean(r)) / (std(r) + eps). With binary rewards, std scaling gives each
+      kept prompt the same total weight (sum_i A_i^2 = G) whatever its success rate, so a prompt solved once in
+      16 teaches as much as one solved half the time. Its known pathology, dividing by a vanishing std, cannot occur:
+      dynamic sampling has already removed the zero-std groups. (Dr. GRPO, no scaling: --adv-scale none.)
+    - Dynamic sampling on (DAPO): groups with no contrast carry no gradient; filling the batch with groups that do
+      keeps the effective batch size constant as accuracy rises.
+    - kind ppo with clip-higher (DAPO): eps_low 0.2, eps_high 0.28. The wider upper bound lets the probability of
+      unlikely-but-rewarded tokens grow faster, which keeps entropy from collapsing.
+    - token-mean aggregation (DAPO): every generated token of the batch weighs the same, so long completions are
+      neither favoured nor diluted as they are by the per-sequence mean of the original GRPO.
+    - no KL and no reference model (DAPO, Dr. GRPO): the KL leash guards against exploiting a learned reward model;
+      a verifier cannot be flattered, and reasoning is meant to move the policy far from where it started.
+    - truncated importance sampling with cap 2 (Yao et al. 2025, "Your efficient RL framework secretly brings you
+      off-policy RL training"): weights min(pi_trainer / pi_engine, 2) correct the sampler/learner numerical gap
+      (bf16 kernels, different batch shapes); on CPU fp32 the gap is ~0 and the weights are 1.
+    - fully on-policy by default: one epoch, one minibatch, so the PPO ratio is 1 and clipping only matters when
+      --epochs or --minibatches is raised.
+"""
+
+import argparse
+import hashlib
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute_cleanup, compute_init, format_eta,
+                    has_checkpoint, load_checkpoint, load_model, print0, save_checkpoint, synchronize)
+from engine import Engine, sampling_logprobs
+from eval import completion_text, evaluate_generative
+from tasks import GSM8K, SyntheticTask, collate, safe_reward
+
+PRESETS = {
+    # Synthetic arithmetic on 2 CPU cores, from the tiny DPO checkpoint.
+    "tiny": dict(task="synthetic", train_size=5000, num_steps=40, prompts_per_step=16, group_size=8, max_tokens=48,
+                 device_batch_size=64, lr_frac=0.1, warmup_steps=0, eval_every=10, eval_problems=128, eval_samples=8,
+                 save_every=20),
+    # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global.
+    "full": dict(task="gsm8k", train_size=None, num_steps=400, prompts_per_step=64, group_size=16, max_tokens=512,
+                 device_batch_size=16, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400, eval_samples=8,
+                 save_every=50),
+}
+# The learning rates of pretraining (model.setup_optimizers), scaled by --lr-frac as in sft.py and dpo.py.
+MATRIX_LR, EMBEDDING_LR, UNEMBEDDING_LR = 0.02, 0.2, 0.004
+
+LOGP_FLOOR = -100.0  # log-probs are floored here: a token outside a top-k/top-p support (-inf) must not become NaN
+
+# -----------------------------------------------------------------------------
+# The math: advantages, reward shaping, loss aggregation, policy losses, KL, engine/trainer mismatch
+
+
+def group_advantages(rewards, group_size, scale="std", baseline="mean", eps=1e-6):
+    """
+    Advantages of rewards (N,) laid out as N / group_size consecutive groups of completions of one prompt:
+
+        baseline "mean" (GRPO):  b_i = mean_j r_j
+        baseline "loo"  (RLOO):  b_i = (sum_j r_j - r_i) / (G - 1)       leave-one-out: b_i is independent of r_i
+        A_i = r_i - b_i,   then with scale "std" (GRPO):  A_i / (std_j r_j + eps)   (population std of the group)
+                                     scale "none" (Dr. GRPO): A_i unchanged
+
+    A group whose rewards are all equal gets A = 0 under every option. Returns (N,).
+    """
+    if baseline not in ("mean", "loo"):
+        raise ValueError(f"unknown baseline {baseline!r}; expected 'mean' or 'loo'")
+    if scale not in ("std", "none"):
+        raise ValueError(f"unknown scale {scale!r}; expected 'std' or 'none'")
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size} (need group_size >= 2)")
+    r = rewards.float().view(-1, group_size)  # (groups, G)
+    if baseline == "mean":
+        advantages = r - r.mean(1, keepdim=True)
+    else:
+        advantages = r - (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    if scale == "std":
+        advantages = advantages / (r.std(1, unbiased=False, keepdim=True) + eps)
+    return advantages.view(-1)
+
+
+def overlong_penalty(lengths, max_tokens, buffer):
+    """
+    DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward of completions of `lengths` (N,):
+
+        0                                      if |y| <= max_tokens - buffer
+        ((max_tokens - buffer) - |y|) / buffer if max_tokens - buffer < |y| <= max_tokens   (down to -1 at the limit)
+
+    so running into the limit is discouraged smoothly instead of by a cliff. Returns (N,) float.
+    """
+    if not 0 < buffer <= max_tokens:
+        raise ValueError(f"the overlong buffer must be in (0, max_tokens={max_tokens}], got {buffer}")
+    return (((max_tokens - buffer) - lengths.float()) / buffer).clamp(-1.0, 0.0)
+
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate(values, mask, agg, max_len=None, count=None):
+    """
+    Reduce per-token values (B, T) over the tokens where mask (B, T) is 1 (verl's loss_agg_mode names):
+
+        token-mean               sum_{i,t} m v / N_tokens                     (DAPO: every token weighs the same)
+        seq-mean-token-mean      sum_i [sum_t m v / sum_t m] / N_seqs         (GRPO: each sequence's mean, then the mean)
+        seq-mean-token-sum-norm  sum_i [sum_t m v / max_len] / N_seqs         (Dr. GRPO: a constant length normaliser)
+
+    N_tokens (valid tokens) or N_seqs (sequences with at least one valid token) is `count`, default this batch's own.
+    Pass the count of the whole optimizer batch when it is split into micro-batches and across ranks: the
+    gradients then sum (over micro-batches, and over ranks with a SUM all-reduce) to those of the whole batch.
+    """
+    mask = mask.float()
+    if agg == "token-mean":
+        total = (values * mask).sum()
+        return total / max(float(mask.sum()) if count is None else count, 1.0)
+    if agg == "seq-mean-token-mean":
+        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+    elif agg == "seq-mean-token-sum-norm":
+        if max_len is None:
+            raise ValueError("seq-mean-token-sum-norm needs max_len (the generation budget, --max-tokens)")
+        per_seq = (values * mask).sum(-1) / max_len  # (B,)
+    else:
+        raise ValueError(f"unknown aggregation {agg!r}; expected one of {AGGREGATIONS}")
+    return per_seq.sum() / max(float((mask.sum(-1) > 0).sum()) if count is None else count, 1.0)
+
+
+LOSS_KINDS = ("pg", "ppo", "gspo", "cispo")
+
+
+def policy_loss(logp, old_logp, advantages, mask, kind="ppo", eps_low=0.2, eps_high=0.28, agg="token-mean",
+                dual_clip=None, weights=None, max_len=None, count=None):
+    """
+    The policy-gradient loss of sampled tokens, to minimise. logp (B, T): log-probs of the sampled tokens under the
+    current policy (with gradient); old_logp (B, T): under the policy that sampled them, before this batch's
+    updates; advantages (B,) or (B, T); mask (B, T): 1 on tokens to train. With r_t = exp(logp_t - old_logp_t),
+    sg = stop-gradient and A the advantage, the per-token loss l_t is
+
+        pg     -A exp(logp_t - sg(logp_t))     value -A, gradient -A grad(logp_t): plain on-policy REINFORCE
+        ppo    max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high))        (PPO, Schulman et al. 2017; separate
+               bounds = clip-higher, DAPO). dual_clip c > 1 also caps the loss of A < 0 tokens at -c A (Ye et al.
+               2020), so a huge ratio on a bad token cannot dominate.
+        gspo   as ppo with the sequence ratio s = exp(mean_t (logp_t - old_logp_t)) on every token (Zheng et al. 2025):
+               a whole sequence is clipped or not; use small bounds (the paper: 3e-4 / 4e-4).
+        cispo  -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A logp_t    (MiniMax-M1, 2025): the importance weight is
+               clipped and detached, so a clipped token keeps its gradient instead of losing it as in ppo.
+               (The paper bounds the weight from above only: eps_low = 1.)
+
+    `weights` (B, T), detached, multiply l_t (the engine/trainer mismatch correction, mismatch_weights). The loss
+    is aggregate(l, mask, agg, max_len, count). Returns (loss, stats) with stats floats: clip_low / clip_high, the
+    fraction of valid tokens whose ratio was cut at the lower / upper bound (for ppo/gspo: where the clipped side
+    is active, i.e. the token gets no gradient), and ratio_min / ratio_mean / ratio_max over valid tokens.
+    """
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"unknown policy loss kind {kind!r}; expected one of {LOSS_KINDS}")
+    mask = mask.float()
+    valid = mask > 0
+    advantages = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
+    log_ratio = (logp - old_logp) * mask  # (B, T), 0 on padding so exp() stays finite
+    if kind == "gspo":
+        seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+        log_ratio = seq_log_ratio[:, None].expand_as(logp)
+    ratio = log_ratio.exp()  # (B, T)
+    lower, upper = 1 - eps_low, 1 + eps_high
+    if kind == "pg":
+        token_loss = -advantages * (logp - logp.detach()).exp()
+        cut_low = cut_high = torch.zeros_like(valid)
+    elif kind == "cispo":
+        token_loss = -advantages * ratio.clamp(lower, upper).detach() * logp
+        cut_low, cut_high = ratio < lower, ratio > upper
+    else:  # ppo, gspo
+        token_loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(lower, upper))
+        if dual_clip is not None:
+            token_loss = torch.where(advantages < 0, torch.minimum(token_loss, -advantages * dual_clip), token_loss)
+        cut_low, cut_high = (advantages < 0) & (ratio < lower), (advantages > 0) & (ratio > upper)
+    if weights is not None:
+        token_loss = token_loss * weights
+    loss = aggregate(token_loss, mask, agg, max_len=max_len, count=count)
+    num_valid = max(int(valid.sum()), 1)
+    ratio = ratio.detach()
+    stats = {"clip_low": float((cut_low & valid).sum()) / num_valid,
+             "clip_high": float((cut_high & valid).sum()) / num_valid,
+             "ratio_min": float(ratio.masked_fill(~valid, math.inf).min()),
+             "ratio_mean": float((ratio * mask).sum()) / num_valid,
+             "ratio_max": float(ratio.masked_fill(~valid, -math.inf).max())}
+    return loss, stats
+
+
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def kl_penalty(logp, ref_logp, kind="k2"):
+    """
+    Per-token estimates of KL(pi || pi_ref) from tokens sampled from pi (Schulman 2020, "Approximating KL
+    divergence"), with d = logp - ref_logp = log pi / pi_ref:
+
+        k1 = d                      unbiased value, high variance, can be negative
+        k2 = d^2 / 2                biased value; as a loss its gradient d grad(logp) is, in expectation over
+                                    pi, exactly grad KL(pi || pi_ref)
+        k3 = exp(-d) - 1 + d        unbiased value, always >= 0 (GRPO's choice); its gradient (1 - exp(-d)) grad(logp)
+                                    is not the gradient of KL(pi || pi_ref)
+
+    The default is k2 because the penalty is used as a loss: it is its gradient that must be right. Returns (B, T).
+    """
+    d = logp - ref_logp
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d.square()
+    if kind == "k3":
+        return torch.exp(-d) - 1 + d
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
+
+
+def mismatch_weights(trainer_logp, engine_logp, mode="tis", cap=2.0, window=(0.5, 2.0)):
+    """
+    Per-token weights (B, T) that correct for the sampler not being the learner: the engine sampled with
+    engine_logp, but the loss assumes the trainer's own log-probs trainer_logp at the same weights. With
+    rho_t = exp(trainer_logp_t - engine_logp_t):
+
+        none   w_t = 1
+        tis    w_t = min(rho_t, cap)                   truncated importance sampling (Yao et al. 2025)
+        mask   w_t = 1 if low <= rho_t <= high else 0  tokens the two disagree on are dropped (IcePop / MIS)
+
+    Returns detached weights.
+    """
+    rho = (trainer_logp - engine_logp).detach().exp()
+    if mode == "none":
+        return torch.ones_like(rho)
+    if mode == "tis":
+        return rho.clamp(max=cap)
+    if mode == "mask":
+        low, high = window
+        return ((rho >= low) & (rho <= high)).float()
+    raise ValueError(f"unknown mismatch correction {mode!r}; expected none, tis or mask")
+
+
+# -----------------------------------------------------------------------------
+# Rollouts
+
+
+def mix_seed(*numbers):
+    """A 63-bit seed from several integers (base seed, step, rank, round): every call site gets its own stream."""
+    digest = hashlib.sha256(",".join(map(str, numbers)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def score_group(task, conversation, completions, tokenizer):
+    """(rewards, errors) of one prompt's completions: the verifier's reward, 0 (and an error) if it fails."""
+    scored = [safe_reward(task, conversation, completion_text(tokenizer, c)) for c in completions]
+    return [reward for reward, _ in scored], sum(error for _, error in scored)
+
+
+def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed, filter_zero_contrast=True,
+                  max_rounds=4, overlong_buffer=0):
+    """
+    Roll out `num_groups` groups of `group_size` completions. Each round draws num_groups prompts of `task`
+    (without replacement, from a stream seeded by `seed` and the round), generates, scores, and keeps groups
+    until num_groups are kept. With filter_zero_contrast (DAPO's dynamic sampling), a group whose shaped
+    rewards are all equal is dropped (its advantages would all be 0) and sampling continues, for at most
+    max_rounds rounds: the batch may then come back short, never with a zero-contrast group.
+    overlong_buffer > 0 adds overlong_penalty to each reward.
+
+    Returns (groups, stats). A group is {"prompt": ids, "completions": [Completion], "rewards": [float] (shaped)};
+    stats are sums over every sampled group, kept or not: the logs count the outcomes of filtered groups too.
+    """
+    tokenizer = engine.tokenizer
+    rng = random.Random(seed)
+    groups = []
+    stats = dict.fromkeys(["groups", "completions", "reward_sum", "reward_sq_sum", "correct", "errors",
+                           "zero_contrast", "length_sum", "truncated", "tokens", "rounds"], 0)
+    stats["length_max"] = 0
+    for round_index in range(max_rounds):
+        indices = rng.sample(range(len(task)), min(num_groups, len(task)))
+        conversations = [task[i] for i in indices]
+        prompts = [tokenizer.render_for_completion(c) for c in conversations]
+        results = engine.generate(prompts, num_samples=group_size, max_tokens=max_tokens,
+                                  seed=mix_seed(seed, round_index), **sampling)
+        stats["rounds"] += 1
+        for conversation, prompt, completions in zip(conversations, prompts, results):
+            rewards, errors = score_group(task, conversation, completions, tokenizer)
+            lengths = torch.tensor([len(c.tokens) for c in completions])
+            shaped = torch.tensor(rewards)
+            if overlong_buffer > 0:
+                shaped = shaped + overlong_penalty(lengths, max_tokens, overlong_buffer)
+            zero_contrast = bool((shaped == shaped[0]).all())
+            stats["groups"] += 1
+            stats["completions"] += len(completions)
+            stats["reward_sum"] += sum(rewards)
+            stats["reward_sq_sum"] += sum(r * r for r in rewards)
+            stats["correct"] += sum(r > 0 for r in rewards)
+            stats["errors"] += errors
+            stats["zero_contrast"] += zero_contrast
+            stats["length_sum"] += int(lengths.sum())
+            stats["length_max"] = max(stats["length_max"], int(lengths.max()))
+            stats["truncated"] += sum(c.finish == "length" for c in completions)
+            stats["tokens"] += int(lengths.sum())
+            if len(groups) < num_groups and not (filter_zero_contrast and zero_contrast):
+                groups.append({"prompt": prompt, "completions": completions, "rewards": shaped.tolist()})
+        if len(groups) == num_groups:
+            break
+    return groups, stats
+
+
+# -----------------------------------------------------------------------------
+# The learner's view of a rollout
+
+
+def learner_rows(groups, group_size, adv_scale, adv_baseline, mask_truncated):
+    """
+    One row per completion: (ids, mask, behavior_logprobs, advantage), ids = prompt + completion tokens exactly as
+    sampled, mask 0 on the prompt and on forced tool output (and on the whole completion if it hit max_tokens and
+    mask_truncated is set), behavior_logprobs the engine's log-prob of each token (0 on the prompt).
+    """
+    if not groups:
+        return []
+    rewards = torch.tensor([r for g in groups for r in g["rewards"]])
+    advantages = group_advantages(rewards, group_size, scale=adv_scale, baseline=adv_baseline).tolist()
+    rows = []
+    for g, group in enumerate(groups):
+        for j, completion in enumerate(group["completions"]):
+            keep = not (mask_truncated and completion.finish == "length")
+            mask = [0] * len(group["prompt"]) + [m * keep for m in completion.mask]
+            behavior = [0.0] * len(group["prompt"]) + completion.logprobs
+            rows.append((group["prompt"] + completion.tokens, mask, behavior, advantages[g * group_size + j]))
+    return rows
+
+
+def collate_rollouts(rows, pad_id, device):
+    """
+    Micro-batch tensors of learner rows, aligned for next-token prediction (position t predicts ids[t + 1]):
+    inputs, targets (B, T) from tasks.collate (target -1 where not trained), mask (B, T) float,
+    behavior (B, T) the engine's log-prob of targets[:, t], advantages (B,).
+    """
+    inputs, targets = collate([(ids, mask) for ids, mask, _, _ in rows], pad_id)
+    behavior = torch.zeros(targets.shape)
+    for b, (ids, _, logprobs, _) in enumerate(rows):
+        behavior[b, :len(ids) - 1] = torch.tensor(logprobs[1:])
+    return {"inputs": inputs.to(device), "targets": targets.to(device), "mask": (targets >= 0).float().to(device),
+            "behavior": behavior.to(device), "advantages": torch.tensor([a for *_, a in rows]).to(device)}
+
+
+def token_logprobs(model, inputs, targets, sampling):
+    """
+    (logp, entropy), both (B, T): the log-prob of each target token under the distribution the engine samples
+    from (engine.sampling_logprobs: same temperature, top-k, top-p) and that distribution's entropy (no gradient).
+    """
+    with autocast_ctx(inputs.device):
+        logits = model(inputs)  # (B, T, V) float32
+    logprobs = sampling_logprobs(logits, **sampling)  # (B, T, V)
+    logp = logprobs.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1).clamp(min=LOGP_FLOOR)  # (B, T)
+    entropy = torch.special.entr(logprobs.detach().exp()).sum(-1)  # (B, T); entr(0) = 0 where top-k/top-p cut
+    return logp, entropy
+
+
+def all_reduce_gradients(model):
+    """
+    Sum gradients over ranks. Not DistributedDataParallel: dynamic sampling leaves ranks with different numbers
+    of micro-batches, and DDP's per-backward all-reduce would have to be paired up across ranks.
+    """
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+
+
+def reduce_tally(tally, device):
+    """
+    A step's tally summed over ranks (keys ending in _min / _max: the min / max). Every rank must pass the same
+    keys in the same order.
+    """
+    if not dist.is_initialized():
+        return tally
+    reduced = {}
+    for op, keys in ((dist.ReduceOp.SUM, [k for k in tally if not k.endswith(("_min", "_max"))]),
+                     (dist.ReduceOp.MIN, [k for k in tally if k.endswith("_min")]),
+                     (dist.ReduceOp.MAX, [k for k in tally if k.endswith("_max")])):
+        values = torch.tensor([float(tally[k]) for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(values, op=op)
+        reduced.update(zip(keys, values.tolist()))
+    return reduced
+
+
+def load_task(name, split, size):
+    if name == "synthetic":
+        return SyntheticTask(split, size=size, seed=0)
+    if name == "gsm8k":
+        return GSM8K(split, size=size)
+    raise ValueError(f"unknown task {name!r}; expected 'synthetic' or 'gsm8k'")
+
+
+# -----------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="fills the defaults below; explicit flags win")
+    parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds prompt draws and sampling")
+    parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no wandb)")
+    parser.add_argument("--ckpt", default=None, help="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/dpo)")
+    parser.add_argument("--out", default=None, help="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out; exit if it is finished")
+    # data and rollouts
+    parser.add_argument("--task", choices=["synthetic", "gsm8k"], help="training prompts and verifier; the held-out split is evaluated")
+    parser.add_argument("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
+    parser.add_argument("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
+    parser.add_argument("--prompts-per-step", type=int, help="groups per step, over all ranks (divisible by the world size)")
+    parser.add_argument("--group-size", type=int, help="completions sampled per prompt (G)")
+    parser.add_argument("--max-tokens", type=int, help="generation budget per completion, forced tool output included")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; the learner scores at the same one")
+    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1, no cut)")
+    parser.add_argument("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
+                        help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
+    parser.add_argument("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
+    parser.add_argument("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
+    parser.add_argument("--overlong-buffer", type=int, default=0,
+                        help="DAPO soft overlong penalty over the last N tokens of the budget (0: off)")
+    # advantages and loss
+    parser.add_argument("--adv-scale", choices=["std", "none"], default="std", help="std: GRPO; none: Dr. GRPO")
+    parser.add_argument("--adv-baseline", choices=["mean", "loo"], default="mean", help="mean: GRPO; loo: RLOO leave-one-out")
+    parser.add_argument("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see policy_loss)")
+    parser.add_argument("--eps-low", type=float, default=0.2, help="lower clip: ratio >= 1 - eps_low")
+    parser.add_argument("--eps-high", type=float, default=0.28, help="upper clip: ratio <= 1 + eps_high (clip-higher)")
+    parser.add_argument("--dual-clip", type=float, default=None, help="cap the loss of negative-advantage tokens at -c A (e.g. 3)")
+    parser.add_argument("--loss-agg", choices=AGGREGATIONS, default="token-mean", help="how token losses are averaged")
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="KL(pi || pi_ref) penalty weight; 0 loads no reference model")
+    parser.add_argument("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see kl_penalty)")
+    parser.add_argument("--mismatch", choices=["none", "tis", "mask"], default="tis",
+                        help="engine/trainer log-prob mismatch correction (see mismatch_weights)")
+    parser.add_argument("--tis-cap", type=float, default=2.0, help="truncation of the importance weight for --mismatch tis")
+    parser.add_argument("--mask-window", type=float, nargs=2, default=(0.5, 2.0), metavar=("LOW", "HIGH"),
+                        help="tokens whose trainer/engine probability ratio leaves [LOW, HIGH] are dropped (--mismatch mask)")
+    # optimization
+    parser.add_argument("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
+    parser.add_argument("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
+    parser.add_argument("--device-batch-size", type=int, help="sequences per forward/backward")
+    parser.add_argument("--lr-frac", type=float, help="learning rates as a fraction of pretraining's (Muon + AdamW)")
+    parser.add_argument("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    # evaluation and saving
+    parser.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (and at the start and the end)")
+    parser.add_argument("--eval-problems", type=int, help="held-out problems evaluated")
+    parser.add_argument("--eval-samples", type=int, help="samples per held-out problem: pass@1 and pass@N")
+    parser.add_argument("--eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
+    parser.add_argument("--save-every", type=int, help="checkpoint every N steps, for --resume")
+    args = parser.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
+    if args.prompts_per_step % world_size:
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} ranks")
+    groups_per_rank = args.prompts_per_step // world_size
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    ckpt = Path(args.ckpt) if args.ckpt else checkpoint_dir("dpo")
+    out = Path(args.out) if args.out else checkpoint_dir("rl")
+
+    # Model: the previous stage's checkpoint, or our own to resume from.
+    resume = args.resume and has_checkpoint(out)
+    model, tokenizer, meta = load_model(out if resume else ckpt, device)
+    if resume and meta.get("finished"):
+        print0(f"rl already finished: {out} (step {meta['step']}); nothing to do")
+        compute_cleanup()
+        return
+    ref_model = None
+    if args.kl_coef > 0:
+        ref_model, _, _ = load_model(ckpt, device)
+        ref_model.requires_grad_(False)
+    engine = Engine(model, tokenizer)
+    pad_id = tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
+    print0(f"model: {model.num_params():,} parameters from {out if resume else ckpt} on {device}, {world_size} rank(s)")
+
+    # Data: training prompts and the held-out problems.
+    train_task = load_task(args.task, "train", args.train_size)
+    test_task = load_task(args.task, "test", args.eval_problems)
+    eval_indices = list(range(min(args.eval_problems, len(test_task))))
+    print0(f"task {args.task}: {len(train_task):,} training prompts, {len(eval_indices)} held-out problems; "
+           f"{args.prompts_per_step} prompts x {args.group_size} samples per step ({groups_per_rank} prompts per rank)")
+
+    optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
+                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    start_step, history = 0, []
+    if resume:
+        _, _, extra = load_checkpoint(out, device=device)
+        for optimizer, state in zip(optimizers, extra["optimizers"]):
+            optimizer.load_state_dict(state)
+        start_step, history = extra["step"], extra["history"]
+        print0(f"resuming at step {start_step}")
+
+    def evaluate(step):
+        result = evaluate_generative(engine, test_task, eval_indices, num_samples=args.eval_samples,
+                                     ks=(1, args.eval_samples), max_tokens=args.max_tokens,
+                                     temperature=args.eval_temperature, top_k=args.top_k, top_p=args.top_p,
+                                     seed=mix_seed(args.seed, "eval"))
+        record = {"step": step, "pass@1": result["pass@1"], f"pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
+                  "errors": result["errors"]}
+        print0(f"eval step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith("pass")))
+        return record
+
+    logger = Logger(args.run, vars(args))
+    if start_step == 0:
+        history.append(evaluate(0))
+        logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
+
+    def save(step, finished):
+        if rank != 0:
+            return
+        extra = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history}
+        save_checkpoint(out, step, model, {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
+                                           "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=extra)
+
+    t_start = time.time()
+    for step in range(start_step, args.num_steps):
+        # 1-2. Rollout and score: this rank's groups, with dynamic sampling.
+        synchronize(device)
+        t0 = time.time()
+        with autocast_ctx(device):
+            groups, rollout = sample_groups(engine, train_task, groups_per_rank, args.group_size, args.max_tokens,
+                                            sampling, seed=mix_seed(args.seed, step, rank),
+                                            filter_zero_contrast=args.filter_zero_contrast,
+                                            max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer)
+        synchronize(device)
+        t1 = time.time()
+
+        # 3. Advantages; micro-batches of sequences, grouped into minibatches by prompt.
+        minibatches = []
+        for m in range(args.minibatches):
+            rows = learner_rows(groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches],
+                                args.group_size, args.adv_scale, args.adv_baseline, args.mask_truncated)
+            rows.sort(key=lambda row: len(row[0]))  # similar lengths share a micro-batch: less padding, same loss
+            minibatches.append([collate_rollouts(rows[i:i + args.device_batch_size], pad_id, device)
+                                for i in range(0, len(rows), args.device_batch_size)])
+
+        # 4a. Score the batch with the weights that sampled it: old log-probs, the engine/trainer gap, entropy,
+        # the reference log-probs; and the global token/sequence counts the loss is averaged over.
+        tally = {**rollout, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0, "gap_sum": 0.0,
+                 "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0,
+                 "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf,
+                 "ratio_max": -math.inf}  # the same keys on every rank: reduced across ranks below
+        with torch.no_grad():
+            for micro in (micro for mb in minibatches for micro in mb):
+                micro["old_logp"], entropy = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+                mask = micro["mask"]
+                micro["weights"] = mismatch_weights(micro["old_logp"], micro["behavior"], args.mismatch, args.tis_cap,
+                                                    args.mask_window)
+                gap = (micro["old_logp"] - micro["behavior"]).abs() * mask
+                tally["gap_sum"] += float(gap.sum())
+                tally["gap_max"] = max(tally["gap_max"], float(gap.max()))
+                tally["entropy_sum"] += float((entropy * mask).sum())
+                tally["trained_tokens"] += int(mask.sum())
+                tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
+                if ref_model is not None:
+                    micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"], sampling)
+        per_minibatch = torch.tensor([[sum(float(m["mask"].sum()) for m in mb),
+                                       sum(float((m["mask"].sum(-1) > 0).sum()) for m in mb)] for mb in minibatches],
+                                     dtype=torch.float64, device=device)  # (minibatches, 2): tokens, sequences
+        if ddp:
+            dist.all_reduce(per_minibatch)
+        counts = per_minibatch[:, 0 if args.loss_agg == "token-mean" else 1].tolist()
+
+        # 4b. The update: --epochs passes over the batch, one optimizer step per minibatch.
+        lr_multiplier = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * lr_multiplier
+        optimizer_steps, grad_norms = 0, []  # the same on every rank (grad norms are taken after the all-reduce)
+        for epoch in range(args.epochs):
+            for minibatch, count in zip(minibatches, counts):
+                if count == 0:  # nothing to learn from on any rank (every group filtered or masked)
+                    continue
+                for micro in minibatch:
+                    logp, _ = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+                    loss, stats = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["mask"],
+                                              kind=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
+                                              agg=args.loss_agg, dual_clip=args.dual_clip, weights=micro["weights"],
+                                              max_len=args.max_tokens, count=count)
+                    num_tokens = float(micro["mask"].sum())
+                    if ref_model is not None:
+                        kl = kl_penalty(logp, micro["ref_logp"], args.kl_kind)  # (B, T)
+                        loss = loss + args.kl_coef * aggregate(kl, micro["mask"], args.loss_agg, max_len=args.max_tokens,
+                                                               count=count)
+                        tally["kl_sum"] += float((kl.detach() * micro["mask"]).sum())
+                    loss.backward()
+                    tally["loss_sum"] += loss.item()  # summed over micro-batches and ranks: the minibatch losses
+                    tally["loss_tokens"] += num_tokens
+                    tally["clip_low_sum"] += stats["clip_low"] * num_tokens
+                    tally["clip_high_sum"] += stats["clip_high"] * num_tokens
+                    tally["ratio_sum"] += stats["ratio_mean"] * num_tokens
+                    tally["ratio_min"] = min(tally["ratio_min"], stats["ratio_min"])
+                    tally["ratio_max"] = max(tally["ratio_max"], stats["ratio_max"])
+                if ddp:
+                    all_reduce_gradients(model)
+                if args.max_grad_norm > 0:
+                    grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)))
+                for optimizer in optimizers:
+                    optimizer.step()
+                model.zero_grad(set_to_none=True)
+                optimizer_steps += 1
+        synchronize(device)
+        t2 = time.time()
+
+        # Logs: rollout outcomes of every sampled group (filtered ones included), learner statistics, timings.
+        tally = reduce_tally(tally, device)
+        n, tokens, loss_tokens = max(tally["completions"], 1), max(tally["trained_tokens"], 1), max(tally["loss_tokens"], 1)
+        reward_mean = tally["reward_sum"] / n
+        metrics = {"reward/mean": reward_mean,
+                   "reward/std": math.sqrt(max(tally["reward_sq_sum"] / n - reward_mean ** 2, 0.0)),
+                   "reward/accuracy": tally["correct"] / n,
+                   "reward/errors": tally["errors"],
+                   "batch/zero_contrast_frac": tally["zero_contrast"] / max(tally["groups"], 1),
+                   "batch/groups_kept": tally["groups_kept"], "batch/sampling_rounds": tally["rounds"] / world_size,
+                   "length/mean": tally["length_sum"] / n, "length/max": tally["length_max"],
+                   "length/truncated_frac": tally["truncated"] / n,
+                   "policy/entropy": tally["entropy_sum"] / tokens,
+                   "policy/loss": tally["loss_sum"] / max(optimizer_steps, 1),
+                   "policy/clip_low": tally["clip_low_sum"] / loss_tokens,
+                   "policy/clip_high": tally["clip_high_sum"] / loss_tokens,
+                   "mismatch/logp_gap_mean": tally["gap_sum"] / tokens, "mismatch/logp_gap_max": tally["gap_max"],
+                   "mismatch/corrected_frac": tally["corrected"] / tokens,
+                   "time/rollout_s": t1 - t0, "time/learner_s": t2 - t1,
+                   "time/rollout_tokens_per_s": tally["tokens"] / max(t1 - t0, 1e-9)}
+        if tally["loss_tokens"]:
+            metrics.update({"policy/ratio_mean": tally["ratio_sum"] / loss_tokens, "policy/ratio_min": tally["ratio_min"],
+                            "policy/ratio_max": tally["ratio_max"], "optim/steps": optimizer_steps})
+        if grad_norms:
+            metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if ref_model is not None:
+            metrics["policy/kl"] = tally["kl_sum"] / loss_tokens
+        logger.log(metrics, step=step + 1)
+        elapsed = time.time() - t_start
+        eta = elapsed / (step + 1 - start_step) * (args.num_steps - step - 1)
+        print0(f"step {step + 1}/{args.num_steps} | reward {metrics['reward/mean']:.3f} "
+               f"| zero-contrast {metrics['batch/zero_contrast_frac']:.2f} kept {metrics['batch/groups_kept']:.0f} "
+               f"| len {metrics['length/mean']:.1f} trunc {metrics['length/truncated_frac']:.2f} "
+               f"| loss {metrics['policy/loss']:+.4f} clip {metrics['policy/clip_low']:.3f}/{metrics['policy/clip_high']:.3f} "
+               f"| entropy {metrics['policy/entropy']:.3f} | gap {metrics['mismatch/logp_gap_mean']:.1e} "
+               f"| rollout {t1 - t0:.1f}s {metrics['time/rollout_tokens_per_s']:.0f} tok/s, learn {t2 - t1:.1f}s "
+               f"| ETA {format_eta(eta)}")
+
+        # 5. Held-out evaluation and periodic checkpoints.
+        last = step + 1 == args.num_steps
+        if (step + 1) % args.eval_every == 0 or last:
+            history.append(evaluate(step + 1))
+            logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=step + 1)
+        if not last and args.save_every and (step + 1) % args.save_every == 0:
+            save(step + 1, finished=False)
+
+    save(args.num_steps, finished=True)
+    before, after = history[0], history[-1]
+    k = f"pass@{args.eval_samples}"
+    print0(f"held-out pass@1 {before['pass@1']:.4f} -> {after['pass@1']:.4f}, {k} {before[k]:.4f} -> {after[k]:.4f}")
+    append_report({"stage": "rl", "preset": args.preset, "task": args.task, "steps": args.num_steps, "seed": args.seed,
+                   "pass@1_before": before["pass@1"], "pass@1": after["pass@1"],
+                   f"{k}_before": before[k], k: after[k], "eval_problems": len(eval_indices),
+                   "eval_samples": args.eval_samples, "time_s": time.time() - t_start})
+    logger.finish()
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    main()

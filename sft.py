@@ -1,0 +1,298 @@
+"""
+Supervised fine-tuning: teach the base model the chat format, to answer and to stop.
+
+    python sft.py --preset tiny                     # CPU, minutes: synthetic conversations with calculator calls
+    torchrun --nproc_per_node=8 sft.py              # full: SmolTalk + GSM8K train, ~20-30 min on 8xH100
+    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 sft.py   # and node-rank=1 on the other
+
+Each conversation is rendered with Tokenizer.render_conversation; the loss is the cross-entropy of the tokens
+whose mask is 1 (assistant text, tool calls, <|assistant_end|>), nothing else. Conversations are batched whole and
+right-padded (tasks.collate): none is ever cut, and one longer than --max-seq-len is skipped and counted instead.
+The loss of an optimizer step is the mean over every trained token of the step, across micro-batches and ranks
+(see backward_sft_loss). At the end it measures held-out loss and whether the model answers held-out synthetic
+problems in format (a single '#### <number>' line), stops by itself, and gets them right.
+"""
+
+import argparse
+import time
+from collections import Counter
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import common
+from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
+from engine import Engine
+from eval import completion_text, evaluate_generative
+from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticTask, TaskMixture, collate, extract_final_answer,
+                   prepare_rows)
+
+# Defaults per preset; explicit flags win.
+# full (8xH100, ~20-30 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k conversations,
+# ~200M tokens with padding) plus two of GSM8K train (15k), 64 conversations per rank per micro-batch; about 6 * N *
+# tokens = 7e17 FLOPs, 10-15 min of compute at 40% MFU, the rest padding and the final generation check.
+PRESETS = {
+    "tiny": dict(train_rows=2000, batch_size=32, device_batch_size=16, lr_frac=0.3, eval_every=25, eval_rows=256,
+                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=0),
+    "full": dict(train_rows=None, batch_size=512, device_batch_size=64, lr_frac=0.02, eval_every=200, eval_rows=2000,
+                 check_problems=256, check_samples=4, max_new_tokens=512, save_every=500),
+}
+# The learning rates of pretraining (model.setup_optimizers), scaled by --lr-frac: fine-tuning moves the weights less.
+MATRIX_LR, EMBEDDING_LR, UNEMBEDDING_LR = 0.02, 0.2, 0.004
+
+
+def sft_mixture(preset, split, rows, seed=0):
+    """
+    The SFT data of each preset, in one place. tiny: synthetic conversations (half of them worked with calculator
+    calls); the base model has read these problems as plain text, SFT teaches the chat format and the tool. Kept
+    small on purpose, so the model learns the format well but not every answer: RL needs room to improve.
+    full: SmolTalk (general chat) + GSM8K (math with calculator calls, two epochs) + the synthetic problems.
+    `rows`: rows of the main source (None: all).
+    """
+    if preset == "tiny":
+        return TaskMixture([("synthetic", SyntheticTask(split, rows or 2000, seed), None)], seed=seed)
+    if split == "train":
+        smoltalk, gsm8k = SmolTalk("train", size=rows), GSM8K("train")
+        sources = [("smoltalk", smoltalk, None), ("gsm8k", gsm8k, 2 * len(gsm8k)),
+                   ("synthetic", SyntheticTask("train", 10_000, seed), None)]
+    else:
+        sources = [("smoltalk", SmolTalk("test", size=rows), None), ("gsm8k", GSM8K("test", size=rows), None)]
+    return TaskMixture(sources, seed=seed)
+
+
+def render_for_sft(tokenizer, conversation, max_seq_len):
+    """(ids, mask) of a conversation; RowTooLong when it does not fit, since cutting it would train on a cut answer."""
+    ids, mask = tokenizer.render_conversation(conversation)
+    if len(ids) > max_seq_len:
+        raise RowTooLong(f"conversation of {len(ids)} tokens is longer than --max-seq-len {max_seq_len}")
+    return ids, mask
+
+
+def backward_sft_loss(model, micro_batches, device):
+    """
+    Backpropagate one optimizer step's loss: the mean cross-entropy per trained token of the whole step,
+
+        L = sum_{r, m, t} CE_{r,m,t} * [y_{r,m,t} != -1]  /  N,     N = sum_{r, m, t} [y_{r,m,t} != -1]
+
+    over the DDP ranks r, the micro-batches m of each rank, and their tokens t. N is all-reduced before any
+    backward, so each token weighs exactly 1/N however the batch is split into micro-batches and ranks (a mean per
+    micro-batch would give a token of a short-answer micro-batch more weight than one of a long-answer batch).
+    DDP averages gradients over the W ranks, so each rank backpropagates W * (its sum) / N.
+    `micro_batches`: this rank's (inputs, targets) pairs of (B, T) tensors. Returns (L, N, tokens in the step)
+    with L as a float, the same on every rank.
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    counts = torch.tensor([sum(int((y >= 0).sum()) for _, y in micro_batches),
+                           sum(int(x.numel()) for x, _ in micro_batches)], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    num_targets = counts[0].item()
+    if num_targets == 0:
+        raise ValueError("this step's batch has no trained tokens: every conversation's mask is 0")
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for m, (x, y) in enumerate(micro_batches):
+        x, y = x.to(device), y.to(device)
+        last = m == len(micro_batches) - 1
+        # Gradients are all-reduced once, after the last micro-batch of the step.
+        sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext()
+        with sync, autocast_ctx(device):
+            losses = model(x, y, loss_reduction="none")  # (B, T), 0 where y == -1
+            total = losses.sum()
+        (total * (world_size / num_targets)).backward()
+        loss_sum += total.detach().double()
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+    return loss_sum.item() / num_targets, int(num_targets), int(counts[1].item())
+
+
+@torch.no_grad()
+def evaluate_loss(model, batches, device):
+    """Mean cross-entropy per trained token over `batches` ((inputs, targets) pairs), summed across DDP ranks."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, trained tokens)
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with autocast_ctx(device):
+            losses = model(x, y, loss_reduction="none")  # (B, T)
+        sums += torch.stack([losses.sum().double(), (y >= 0).sum().double()])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item()
+
+
+def format_check(engine, task, indices, max_tokens, device):
+    """
+    Greedy answers to task[i], i in `indices`: the fraction that stop by themselves (emit <|assistant_end|>
+    within max_tokens) and the fraction in format (exactly one '#### <number>' final answer). Rows are split
+    over DDP ranks and the counts summed. Returns {"stop_rate", "format_rate"}.
+    """
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = indices[rank::world_size]
+    counts = torch.zeros(2, dtype=torch.long, device=device)  # (stopped, in format)
+    if mine:
+        prompts = [engine.tokenizer.render_for_completion(task[i]) for i in mine]
+        with autocast_ctx(device):
+            results = engine.generate(prompts, num_samples=1, max_tokens=max_tokens, temperature=0.0)
+        for (completion,) in results:
+            counts[0] += int(completion.finish == "stop")
+            counts[1] += int(extract_final_answer(completion_text(engine.tokenizer, completion)) is not None)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    return {"stop_rate": counts[0].item() / len(indices), "format_rate": counts[1].item() / len(indices)}
+
+
+def generation_metrics(model, tokenizer, args, device):
+    """Format and stop rates, greedy pass@1 and pass@1 at temperature 1 on held-out synthetic problems."""
+    engine = Engine(model, tokenizer)
+    task = SyntheticTask("test", size=args.check_problems, seed=args.seed)
+    indices = list(range(len(task)))
+    metrics = format_check(engine, task, indices, args.max_new_tokens, device)
+    with autocast_ctx(device):
+        greedy = evaluate_generative(engine, task, indices, max_tokens=args.max_new_tokens, temperature=0.0,
+                                     seed=args.seed)
+        sampled = evaluate_generative(engine, task, indices, num_samples=args.check_samples,
+                                      max_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed)
+    metrics["pass@1"] = greedy["pass@1"]
+    metrics["pass@1_t1"] = sampled["pass@1"]
+    metrics["verifier_errors"] = greedy["errors"] + sampled["errors"]
+    return metrics
+
+
+def micro_batches_of(rows, start, num, device_batch_size, pad_id):
+    """The collated micro-batches of rows[start : start + num] (wrapping around the end: another epoch)."""
+    take = [rows[(start + i) % len(rows)] for i in range(num)]
+    return [collate(take[i:i + device_batch_size], pad_id) for i in range(0, num, device_batch_size)]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Supervised fine-tuning of the base model on chat conversations.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="defaults for the flags below")
+    parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
+    parser.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
+    parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no logging)")
+    parser.add_argument("--ckpt", default=None, help="base checkpoint to start from (default: checkpoints/base)")
+    parser.add_argument("--out", default=None, help="where to save (default: checkpoints/sft)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    parser.add_argument("--train-rows", type=int, help="rows of the main training source (tiny: synthetic, full: "
+                        "SmolTalk; default: the preset's)")
+    parser.add_argument("--num-steps", type=int, default=None, help="optimizer steps (default: one pass over the data)")
+    parser.add_argument("--batch-size", type=int, help="conversations per optimizer step, all ranks together")
+    parser.add_argument("--device-batch-size", type=int, help="conversations per micro-batch per rank")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="longest conversation trained on, in tokens; longer ones are skipped (default: the "
+                             "model's sequence_len)")
+    parser.add_argument("--lr-frac", type=float, help="learning rates as a fraction of pretraining's; decays linearly to 0")
+    parser.add_argument("--eval-every", type=int, help="held-out loss every this many steps")
+    parser.add_argument("--eval-rows", type=int, help="held-out conversations for the loss")
+    parser.add_argument("--check-problems", type=int, help="held-out synthetic problems for the generation check")
+    parser.add_argument("--check-samples", type=int, help="samples per problem for pass@1 at temperature 1")
+    parser.add_argument("--max-new-tokens", type=int, help="longest answer generated in the check")
+    parser.add_argument("--save-every", type=int, help="save a resumable checkpoint every this many steps (0: never)")
+    args = parser.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+    ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
+    out_dir = args.out or common.checkpoint_dir("sft")
+    resume_state = None
+    if args.resume and common.has_checkpoint(out_dir):
+        state, meta, extra = common.load_checkpoint(out_dir, device=device)
+        if meta.get("finished"):
+            print0(f"sft already finished ({out_dir}, step {meta['step']}); nothing to do")
+            compute_cleanup()
+            return
+        resume_state = (state, extra)
+
+    model, tokenizer, base_meta = common.load_model(args.ckpt or common.checkpoint_dir("base"), device)
+    max_seq_len = args.max_seq_len or model.config.sequence_len
+    print0(f"loaded base: {model.num_params():,} parameters, sequence_len {model.config.sequence_len}, "
+           f"vocab {tokenizer.vocab_size}; training on conversations of <= {max_seq_len} tokens")
+
+    # Data: this rank renders its share of the mixture; over-long and malformed rows are skipped and counted.
+    train_mix = sft_mixture(args.preset, "train", args.train_rows, seed=args.seed)
+    val_mix = sft_mixture(args.preset, "test", args.eval_rows, seed=args.seed)
+    print0(f"train mixture:\n{train_mix.summary()}\nheld-out mixture:\n{val_mix.summary()}")
+    render = lambda conversation: render_for_sft(tokenizer, conversation, max_seq_len)  # noqa: E731
+    train_rows, skipped = prepare_rows(train_mix, render, range(rank, len(train_mix), world_size))
+    val_rows, val_skipped = prepare_rows(val_mix, render, range(rank, len(val_mix), world_size))
+    if ddp:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, (skipped, val_skipped))
+        skipped, val_skipped = sum((g[0] for g in gathered), Counter()), sum((g[1] for g in gathered), Counter())
+    for (name, reason), count in sorted(skipped.items()) + sorted(val_skipped.items()):
+        print0(f"skipped {count:,} {reason} rows of {name}")
+    rows_per_rank = args.batch_size // world_size
+    if args.batch_size % (args.device_batch_size * world_size):
+        raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --device-batch-size "
+                         f"{args.device_batch_size} x {world_size} ranks")
+    min_rows = torch.tensor(len(train_rows), device=device)
+    if ddp:
+        dist.all_reduce(min_rows, op=dist.ReduceOp.MIN)  # every rank must take the same number of steps
+    num_steps = args.num_steps or min_rows.item() // rows_per_rank
+    if num_steps < 1:
+        raise ValueError(f"{min_rows.item()} training rows per rank are fewer than one step's {rows_per_rank}")
+    val_batches = [collate(val_rows[i:i + args.device_batch_size], tokenizer.bos_id)
+                   for i in range(0, len(val_rows), args.device_batch_size)]
+    print0(f"{num_steps} steps of {args.batch_size} conversations ({args.batch_size // (args.device_batch_size * world_size)}"
+           f" micro-batches of {args.device_batch_size} per rank), {len(val_rows) * world_size} held-out conversations")
+
+    optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
+                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    start_step = 0
+    if resume_state is not None:
+        state, extra = resume_state
+        model.load_state_dict(state)
+        for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+        start_step = extra["step"]
+        print0(f"resuming from step {start_step}")
+    train_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp else model
+    logger = common.Logger(args.run, vars(args))
+
+    before = {"val_loss": evaluate_loss(model, val_batches, device)}
+    print0(f"step {start_step:5d}/{num_steps} | val loss {before['val_loss']:.4f}")
+    train_loss, t0, tokens_seen = float("nan"), time.time(), 0
+    for step in range(start_step, num_steps):
+        lr_multiplier = 1.0 - step / num_steps  # linear decay to 0
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * lr_multiplier
+        micro = micro_batches_of(train_rows, step * rows_per_rank, rows_per_rank, args.device_batch_size, tokenizer.bos_id)
+        train_loss, num_targets, num_tokens = backward_sft_loss(train_model, micro, device)
+        for optimizer in optimizers:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+        tokens_seen += num_tokens
+        elapsed = time.time() - t0
+        done = step + 1 - start_step
+        log = {"train/loss": train_loss, "train/targets": num_targets, "lr_multiplier": lr_multiplier}
+        if (step + 1) % args.eval_every == 0 or step + 1 == num_steps:
+            log["val/loss"] = evaluate_loss(model, val_batches, device)
+        print0(f"step {step + 1:5d}/{num_steps} | loss {train_loss:.4f}"
+               + (f" | val loss {log['val/loss']:.4f}" if "val/loss" in log else "")
+               + f" | {tokens_seen / elapsed:,.0f} tok/s (padded) | eta {format_eta(elapsed / done * (num_steps - step - 1))}")
+        logger.log(log, step + 1)
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps and rank == 0:
+            common.save_checkpoint(out_dir, step + 1, model, {"stage": "sft", "finished": False}, tokenizer=tokenizer,
+                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers]})
+
+    final = {"val_loss": evaluate_loss(model, val_batches, device), **generation_metrics(model, tokenizer, args, device)}
+    print0(f"held-out loss {before['val_loss']:.4f} -> {final['val_loss']:.4f} | format {final['format_rate']:.1%} | "
+           f"stop {final['stop_rate']:.1%} | pass@1 greedy {final['pass@1']:.1%} | pass@1 T=1 {final['pass@1_t1']:.1%}")
+    logger.log({f"final/{k}": v for k, v in final.items()}, num_steps)
+    logger.finish()
+    if rank == 0:
+        meta = {"stage": "sft", "finished": True, "preset": args.preset, "args": vars(args), "metrics": final,
+                "base_step": base_meta.get("step")}
+        path = common.save_checkpoint(out_dir, num_steps, model, meta, tokenizer=tokenizer)
+        print0(f"saved {path}")
+    common.append_report({"stage": "sft", "preset": args.preset, "steps": num_steps, "train_loss": train_loss,
+                          "val_loss_before": before["val_loss"], **final,
+                          "skipped": {f"{name}/{reason}": count for (name, reason), count in skipped.items()}})
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# nanopost speedrun: tokenizer -> base pretraining -> SFT -> DPO -> GRPO -> eval -> report card.
+#
+#   bash speedrun.sh              # no GPU: the tiny preset on synthetic data (2 CPU cores, ~20 minutes)
+#                                 # GPUs:   the full preset with torchrun on every GPU (~4 hours on 8xH100)
+#   WANDB_RUN=name bash speedrun.sh   # also log every stage to Weights & Biases
+#   NANOPOST_HOME=/path bash speedrun.sh   # where tokenizer, checkpoints and report go (default ~/.cache/nanopost)
+#
+# Re-running after an interruption skips the stages that finished and resumes the one that was interrupted:
+# every stage gets --resume, which continues from the stage's latest checkpoint, or exits at once if that
+# checkpoint is marked finished.
+#
+# The full preset (8xH100):
+#   tokenizer  65,536 tokens, BPE on 2B characters of FineWeb-Edu                                 ~2 min
+#   base       depth 20 (~560M parameters), 20 tokens per parameter (~11B tokens) of FineWeb-Edu  ~2.5 h
+#   SFT        SmolTalk + GSM8K train (calculator calls rendered as tool use)                     ~20 min
+#   DPO        UltraFeedback-binarized preference pairs                                            ~20 min
+#   RL         GRPO on GSM8K train, verified by exact match of the '####' answer                   ~40 min
+#   eval       val bpb, ARC/MMLU, GSM8K pass@1/pass@k, coverage SFT vs RL, report.md
+set -euo pipefail
+cd "$(dirname "$0")"
+
+export NANOPOST_HOME="${NANOPOST_HOME:-$HOME/.cache/nanopost}"
+RUN="${WANDB_RUN:-dummy}"
+NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
+if [ "$NGPU" -gt 0 ]; then
+  PRESET=full
+  LAUNCH=(torchrun --standalone --nproc_per_node="$NGPU")
+  echo "speedrun: $NGPU GPU(s) found -> full preset (hub data, torchrun on $NGPU processes)"
+else
+  PRESET=tiny
+  LAUNCH=(python)
+  echo "speedrun: no GPU found -> tiny preset (offline synthetic data, CPU)"
+fi
+echo "speedrun: writing to $NANOPOST_HOME; wandb run: $RUN"
+STAGE_FLAGS=(--preset "$PRESET" --run "$RUN" --resume)
+
+if [ -f "$NANOPOST_HOME/tokenizer/tokenizer.json" ]; then
+  echo "speedrun: tokenizer already trained, skipping"
+else
+  python tokenizer.py --preset "$PRESET"
+fi
+"${LAUNCH[@]}" pretrain.py "${STAGE_FLAGS[@]}"
+"${LAUNCH[@]}" sft.py "${STAGE_FLAGS[@]}"
+"${LAUNCH[@]}" dpo.py "${STAGE_FLAGS[@]}"
+"${LAUNCH[@]}" rl.py "${STAGE_FLAGS[@]}"
+"${LAUNCH[@]}" eval.py --preset "$PRESET" --stage all
+python eval.py --report-only
+echo "speedrun: done. Report card: $NANOPOST_HOME/report.md"
+echo "speedrun: chat with the result: python engine.py --ckpt $NANOPOST_HOME/checkpoints/rl"

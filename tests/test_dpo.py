@@ -1,0 +1,317 @@
+"""
+dpo.py: every loss_type against hand-computed values, the gradient of DPO, sequence log-probs over the answer only,
+the precomputed reference, a DPO step on a tiny model, self-generated pairs, skipped rows, and end-to-end tiny runs.
+"""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+import common
+import dpo
+import tasks
+from engine import Engine
+from eval import completion_text
+from model import GPT, GPTConfig
+from tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.train(tasks.synthetic_documents(300, seed=0), vocab_size=400)
+
+
+def make_model(tokenizer, seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(sequence_len=128, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64))
+
+
+def softplus(x):
+    """-log sigma(-x) = log(1 + e^x), by hand."""
+    return math.log1p(math.exp(x))
+
+
+# Two pairs. Pair 0: log-ratios +1 (chosen) and -0.5 (rejected): h = 1.5, beta h = 0.75, answers of 4 and 2 tokens.
+# Pair 1: log-ratios -1 and +1: h = -2, beta h = -1, answers of 5 and 5 tokens.
+POLICY_CHOSEN, POLICY_REJECTED = [-10.0, -8.0], [-12.0, -9.0]
+REF_CHOSEN, REF_REJECTED = [-11.0, -7.0], [-11.5, -10.0]
+CHOSEN_LEN, REJECTED_LEN = [4, 5], [2, 5]
+BETA = 0.5
+
+
+def loss_of(loss_type, **kwargs):
+    t = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
+    return dpo.dpo_loss(t(POLICY_CHOSEN), t(POLICY_REJECTED), t(REF_CHOSEN), t(REF_REJECTED), BETA, loss_type,
+                        chosen_lengths=t(CHOSEN_LEN), rejected_lengths=t(REJECTED_LEN), **kwargs)
+
+
+EPS = 0.1
+HAND = {
+    # -log sigma(beta h) = log(1 + e^(-beta h))
+    ("sigmoid", 0.0): [softplus(-0.75), softplus(1.0)],
+    # cDPO: (1 - eps) * -log sigma(beta h) + eps * -log sigma(-beta h)
+    ("sigmoid", EPS): [0.9 * softplus(-0.75) + 0.1 * softplus(0.75), 0.9 * softplus(1.0) + 0.1 * softplus(-1.0)],
+    # rDPO: [(1 - eps) * -log sigma(beta h) - eps * -log sigma(-beta h)] / (1 - 2 eps)
+    ("robust", EPS): [(0.9 * softplus(-0.75) - 0.1 * softplus(0.75)) / 0.8,
+                      (0.9 * softplus(1.0) - 0.1 * softplus(-1.0)) / 0.8],
+    ("robust", 0.0): [softplus(-0.75), softplus(1.0)],
+    # IPO: (h - 1 / (2 beta))^2 = (h - 1)^2
+    ("ipo", 0.0): [0.25, 9.0],
+    # hinge: max(0, 1 - beta h)
+    ("hinge", 0.0): [0.25, 2.0],
+    # normalised log-ratios: 1/4 - (-0.5)/2 = 0.5 and -1/5 - 1/5 = -0.4; times beta: 0.25 and -0.2
+    ("sigmoid_norm", 0.0): [softplus(-0.25), softplus(0.2)],
+    # SimPO: beta (-10/4 - -12/2) - gamma = 0.5 * 3.5 - 0.5 = 1.25;  beta (-8/5 - -9/5) - 0.5 = -0.4
+    ("simpo", 0.0): [softplus(-1.25), softplus(0.4)],
+}
+
+
+@pytest.mark.parametrize("loss_type, eps", sorted(HAND))
+def test_dpo_loss_matches_hand_computed(loss_type, eps):
+    losses, _, _ = loss_of(loss_type, label_smoothing=eps, gamma=0.5)
+    assert losses.tolist() == pytest.approx(HAND[loss_type, eps], rel=1e-12)
+
+
+def test_hinge_is_zero_past_the_margin():
+    losses, _, _ = dpo.dpo_loss(torch.tensor([0.0]), torch.tensor([-5.0]), torch.tensor([0.0]), torch.tensor([0.0]),
+                                beta=0.5, loss_type="hinge")
+    assert losses.item() == 0.0  # beta h = 2.5 > 1
+
+
+@pytest.mark.parametrize("loss_type, chosen, rejected", [
+    ("sigmoid", [0.5, -0.5], [-0.25, 0.5]),  # beta (log pi - log ref)
+    ("ipo", [0.5, -0.5], [-0.25, 0.5]),
+    ("sigmoid_norm", [0.125, -0.1], [-0.125, 0.1]),  # divided by the lengths
+    ("simpo", [-1.25, -0.8], [-3.0, -0.9]),  # beta log pi / |y|, no reference
+])
+def test_rewards_are_the_implicit_rewards(loss_type, chosen, rejected):
+    _, chosen_rewards, rejected_rewards = loss_of(loss_type)
+    assert chosen_rewards.tolist() == pytest.approx(chosen, rel=1e-12)
+    assert rejected_rewards.tolist() == pytest.approx(rejected, rel=1e-12)
+    assert not chosen_rewards.requires_grad
+
+
+def test_sigmoid_gradient_with_respect_to_the_margin():
+    # d/dh -log sigma(beta h) = -beta sigma(-beta h); h moves one for one with log pi(y_w) and against log pi(y_l).
+    policy_chosen = torch.tensor(POLICY_CHOSEN, dtype=torch.float64, requires_grad=True)
+    policy_rejected = torch.tensor(POLICY_REJECTED, dtype=torch.float64, requires_grad=True)
+    losses, _, _ = dpo.dpo_loss(policy_chosen, policy_rejected, torch.tensor(REF_CHOSEN, dtype=torch.float64),
+                                torch.tensor(REF_REJECTED, dtype=torch.float64), BETA)
+    losses.sum().backward()
+    expected = [-BETA / (1 + math.exp(beta_h)) for beta_h in (0.75, -1.0)]
+    assert policy_chosen.grad.tolist() == pytest.approx(expected, rel=1e-12)
+    assert policy_rejected.grad.tolist() == pytest.approx([-g for g in expected], rel=1e-12)
+
+
+def test_dpo_loss_validates():
+    one = torch.zeros(1)
+    with pytest.raises(ValueError, match="unknown loss_type"):
+        dpo.dpo_loss(one, one, one, one, 0.1, "kto")
+    with pytest.raises(ValueError, match="lengths"):
+        dpo.dpo_loss(one, one, one, one, 0.1, "simpo")
+    with pytest.raises(ValueError, match="does not apply"):
+        dpo.dpo_loss(one, one, one, one, 0.1, "ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        dpo.dpo_loss(one, one, one, one, 0.1, "robust", label_smoothing=0.5)
+
+
+# -----------------------------------------------------------------------------
+# Pairs as token sequences
+
+
+def multi_turn_pair():
+    shared = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
+              {"role": "assistant", "content": "2 + 3 = 5.\n#### 5"}, {"role": "user", "content": "And 4 + 4?"}]
+    return tasks.preference_pair(shared + [{"role": "assistant", "content": "4 + 4 = 8.\n#### 8"}],
+                                 shared + [{"role": "assistant", "content": "The answer is 9."}])
+
+
+def test_render_pair_scores_the_final_answer_only(tokenizer):
+    pair = multi_turn_pair()
+    (chosen_ids, chosen_mask), (rejected_ids, rejected_mask) = dpo.render_pair(tokenizer, pair, 128)
+    prompt = tokenizer.render_for_completion(pair["chosen"])
+    assert chosen_ids[:len(prompt)] == rejected_ids[:len(prompt)] == prompt
+    full_ids, full_mask = tokenizer.render_conversation(pair["chosen"])
+    assert chosen_ids == full_ids
+    assert sum(full_mask[:len(prompt)]) > 0  # the first answer is trained by SFT ...
+    assert chosen_mask == [0] * len(prompt) + full_mask[len(prompt):]  # ... but is prompt for DPO
+    assert tokenizer.decode([t for t, m in zip(rejected_ids, rejected_mask) if m]) == "The answer is 9.<|assistant_end|>"
+
+    other = tasks.preference_pair(pair["chosen"]["messages"], pair["rejected"]["messages"])
+    other["rejected"]["messages"][1] = {"role": "user", "content": "What is 2 + 4?"}
+    with pytest.raises(ValueError, match="different prompts"):
+        dpo.render_pair(tokenizer, other, 128)
+    with pytest.raises(tasks.RowTooLong):
+        dpo.render_pair(tokenizer, pair, len(prompt) + 3)
+
+
+def test_sequence_logps_sum_the_answer_tokens_only(tokenizer):
+    model = make_model(tokenizer)
+    (chosen, _), = [dpo.render_pair(tokenizer, multi_turn_pair(), 128)]
+    ids, mask = chosen
+    logps, lengths = dpo.sequence_logps(model, *tasks.collate([chosen], tokenizer.bos_id))
+    with torch.no_grad():
+        log_probs = model(torch.tensor([ids])).log_softmax(-1)[0]  # (T, V)
+    by_hand = sum(log_probs[t, ids[t + 1]].item() for t in range(len(ids) - 1) if mask[t + 1])
+    assert lengths.item() == sum(mask)
+    assert logps.item() == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_precomputed_reference_equals_live(tokenizer):
+    model = make_model(tokenizer)
+    preferences = tasks.SyntheticPreferences("train", size=7)
+    pairs = [dpo.render_pair(tokenizer, preferences[i], 128) for i in range(len(preferences))]
+    precomputed = dpo.reference_logps(model, pairs, 3, tokenizer.bos_id, "cpu")  # (7, 2), batches of 3, 3, 1
+    with torch.no_grad():
+        for i, pair in enumerate(pairs):
+            chosen, rejected, _, _ = dpo.pair_logps(model, [pair], tokenizer.bos_id, "cpu")
+            assert precomputed[i].tolist() == pytest.approx([chosen.item(), rejected.item()], rel=1e-5)
+
+
+def step_args(**overrides):
+    defaults = dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0, gamma=0.5, sft_weight=0.0,
+                    device_batch_size=4)
+    return argparse.Namespace(**{**defaults, **overrides})
+
+
+@pytest.mark.parametrize("loss_type, sft_weight", [("sigmoid", 0.0), ("sigmoid", 1.0), ("ipo", 0.0), ("simpo", 0.0)])
+def test_a_dpo_step_increases_the_margin(tokenizer, loss_type, sft_weight):
+    model = make_model(tokenizer)
+    preferences = tasks.SyntheticPreferences("train", size=4)
+    pairs = [dpo.render_pair(tokenizer, preferences[i], 128) for i in range(4)]
+    ref = dpo.reference_logps(model, pairs, 4, tokenizer.bos_id, "cpu")
+    args = step_args(loss_type=loss_type, sft_weight=sft_weight)
+
+    def margin():
+        with torch.no_grad():
+            chosen, rejected, _, _ = dpo.pair_logps(model, pairs, tokenizer.bos_id, "cpu")
+        return ((chosen - ref[:, 0]) - (rejected - ref[:, 1])).mean().item()
+
+    assert margin() == pytest.approx(0.0, abs=1e-5)  # the policy starts as the reference
+    optimizers = model.setup_optimizers(matrix_lr=0.002, embedding_lr=0.02, unembedding_lr=0.0004)
+    losses, stats = dpo.preference_losses(model, pairs, ref, args, tokenizer.bos_id, "cpu")
+    losses.mean().backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    assert margin() > 0.01
+    assert set(stats) == set(dpo.STAT_NAMES)
+
+
+# -----------------------------------------------------------------------------
+# Self-generated pairs
+
+
+class ParityTask:
+    """Synthetic prompts with a toy verifier a random model passes about half the time: an even-length answer."""
+
+    def __init__(self, n):
+        self.task = tasks.SyntheticTask("train", size=n)
+
+    def __len__(self):
+        return len(self.task)
+
+    def __getitem__(self, i):
+        return self.task[i]
+
+    def reward(self, conversation, completion):
+        return float(len(completion) % 2 == 0)
+
+
+def test_self_generated_pairs_are_engine_tokens_one_correct_one_incorrect(tokenizer):
+    model = make_model(tokenizer).eval()
+    engine = Engine(model, tokenizer)
+    task = ParityTask(12)
+    indices = list(range(len(task)))
+    pairs, stats = dpo.self_generated_pairs(engine, task, indices, num_samples=4, max_tokens=6, temperature=1.0,
+                                            seed=5, prompts_per_batch=5)
+    assert stats["paired"] == len(pairs) >= 4
+    assert stats["paired"] + stats["all correct"] + stats["all incorrect"] == len(task)
+
+    # The same seeds again: every side of every pair is one of the engine's completions of that prompt, token for token.
+    prompts = [tokenizer.render_for_completion(task[i]) for i in indices]
+    samples = []
+    for start in range(0, len(prompts), 5):
+        samples += engine.generate(prompts[start:start + 5], num_samples=4, max_tokens=6, temperature=1.0, seed=5 + start)
+    for (chosen, rejected) in pairs:
+        i = next(i for i, p in enumerate(prompts) if chosen[0][:len(p)] == p and rejected[0][:len(p)] == p)
+        prompt = prompts[i]
+        verdicts = []
+        for ids, mask in (chosen, rejected):
+            completion = next(c for c in samples[i] if prompt + c.tokens == ids)
+            assert mask == [0] * len(prompt) + completion.mask
+            verdicts.append(task.reward(task[i], completion_text(tokenizer, completion)))
+        assert verdicts == [1.0, 0.0]
+
+
+def test_self_generated_pairs_count_a_crashing_verifier_as_incorrect(tokenizer):
+    class Crashing(ParityTask):
+        def reward(self, conversation, completion):
+            raise RuntimeError("verifier bug")
+
+    engine = Engine(make_model(tokenizer).eval(), tokenizer)
+    pairs, stats = dpo.self_generated_pairs(engine, Crashing(3), [0, 1, 2], num_samples=2, max_tokens=4,
+                                            temperature=1.0, seed=0)
+    assert pairs == [] and stats["all incorrect"] == 3 and stats["verifier errors"] == 6
+
+
+def test_malformed_preference_rows_are_skipped_and_counted(tokenizer, tmp_path):
+    user = {"role": "user", "content": "What is 2 + 3?"}
+    good = {"chosen": [user, {"role": "assistant", "content": "5"}], "rejected": [user, {"role": "assistant", "content": "6"}]}
+    rows = [
+        good,
+        {"chosen": good["chosen"], "rejected": [{"role": "user", "content": "Other?"}, good["rejected"][1]]},
+        {"chosen": good["chosen"], "rejected": good["chosen"]},  # identical answers
+        {"chosen": good["chosen"], "rejected": [user]},  # no answer
+        {"chosen": good["chosen"], "rejected": [user, {"role": "robot", "content": "6"}]},
+        {"chosen": good["chosen"], "rejected": [user, {"role": "assistant", "content": "6 " * 200}]},  # too long
+    ]
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    mixture = tasks.TaskMixture([("ultrafeedback", tasks.UltraFeedback(local=path), None)])
+    pairs, skipped = tasks.prepare_rows(mixture, lambda pair: dpo.render_pair(tokenizer, pair, 64), range(len(mixture)))
+    assert len(pairs) == 1
+    assert skipped == {("ultrafeedback", "malformed"): 4, ("ultrafeedback", "too long"): 1}
+
+
+def test_synthetic_rejected_answers_are_all_wrong():
+    preferences = tasks.SyntheticPreferences("train", size=200, seed=2)
+    task = preferences.task
+    kinds = set()
+    for i in range(len(preferences)):
+        pair = preferences[i]
+        text = lambda side: "".join(p["text"] for p in pair[side]["messages"][-1]["content"] if p["type"] == "text")  # noqa: E731
+        assert task.reward(task[i], text("chosen")) == 1.0
+        assert task.reward(task[i], text("rejected")) == 0.0
+        kinds.add(tasks.extract_final_answer(text("rejected")) is None)
+    assert kinds == {True, False}  # both format mistakes and wrong numbers
+
+
+# -----------------------------------------------------------------------------
+# End to end
+
+
+DPO_ARGS = ["--device", "cpu", "--pairs", "synthetic", "--train-pairs", "32", "--eval-pairs", "16", "--batch-size", "16",
+            "--device-batch-size", "8", "--epochs", "2", "--lr-frac", "0.3", "--check-problems", "4",
+            "--check-samples", "1", "--max-new-tokens", "8", "--eval-every", "2"]
+
+
+@pytest.mark.slow
+def test_main_tiny_improves_held_out_preferences_and_live_reference_agrees(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    common.save_checkpoint(tmp_path / "checkpoints" / "sft", 1, make_model(tokenizer), {"stage": "sft"},
+                           tokenizer=tokenizer)
+    dpo.main(DPO_ARGS)
+    model, _, meta = common.load_model(tmp_path / "checkpoints" / "dpo", "cpu")
+    assert meta["finished"] and meta["step"] == 4
+    (record,) = common.read_report()
+    assert record["before/rewards/accuracy"] == 0.0  # policy == reference: every margin is exactly 0
+    assert record["after/rewards/accuracy"] > 0.5
+    assert record["after/loss"] < record["before/loss"] == pytest.approx(math.log(2), rel=1e-6)
+
+    dpo.main(DPO_ARGS + ["--live-reference", "--out", str(tmp_path / "live")])
+    live = common.read_report()[-1]
+    for key in ("after/loss", "after/rewards/margins", "after/logps/chosen"):
+        assert live[key] == pytest.approx(record[key], rel=1e-3)

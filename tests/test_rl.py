@@ -1,0 +1,453 @@
+"""
+rl.py: advantages, policy losses, KL estimators, mismatch weights and aggregations against hand-computed values;
+the engine's behavior log-probs against the learner's; dynamic sampling; the whole loop in-process and under torchrun.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import rl
+from common import load_model, save_checkpoint
+from engine import Engine
+from model import GPT, GPTConfig
+from tasks import SyntheticTask, synthetic_documents
+from tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The models here are tiny: one thread beats two (thread hand-offs cost more than the matmuls, on a busy CPU 20x)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def close(actual, expected, atol=1e-5):
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
+                               torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
+
+
+# -----------------------------------------------------------------------------
+# group_advantages
+
+
+def test_grpo_advantages_mean_and_population_std():
+    rewards = torch.tensor([1., 0., 0., 1., 3., 1., 0., 0.])
+    # group 1: mean 0.5, population std 0.5; group 2: mean 1, population std sqrt((4 + 0 + 1 + 1) / 4) = sqrt(1.5)
+    s = math.sqrt(1.5)
+    close(rl.group_advantages(rewards, 4), [1, -1, -1, 1, 2 / s, 0, -1 / s, -1 / s])
+    close(rl.group_advantages(rewards, 4, scale="none"), [.5, -.5, -.5, .5, 2, 0, -1, -1])  # Dr. GRPO
+
+
+def test_rloo_leave_one_out_baseline():
+    rewards = torch.tensor([1., 0., 0., 1.])
+    # r_0 = 1 against the mean of the others (0 + 0 + 1) / 3; r_1 = 0 against (1 + 0 + 1) / 3
+    close(rl.group_advantages(rewards, 4, scale="none", baseline="loo"), [2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    close(rl.group_advantages(rewards, 4, scale="std", baseline="loo"), [4 / 3, -4 / 3, -4 / 3, 4 / 3])  # / std 0.5
+
+
+@pytest.mark.parametrize("scale", ["std", "none"])
+@pytest.mark.parametrize("baseline", ["mean", "loo"])
+def test_all_equal_group_has_zero_advantage(scale, baseline):
+    rewards = torch.tensor([1., 1., 1., 0., 0., 0., .5, .5, .5])
+    assert rl.group_advantages(rewards, 3, scale=scale, baseline=baseline).abs().max() == 0
+
+
+def test_group_advantages_validates():
+    with pytest.raises(ValueError, match="groups of 4"):
+        rl.group_advantages(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match="baseline"):
+        rl.group_advantages(torch.zeros(4), 4, baseline="median")
+
+
+# -----------------------------------------------------------------------------
+# aggregate and the three aggregations
+
+
+def test_aggregations_over_variable_lengths():
+    values = torch.tensor([[1., 2., 3.], [4., 9., 9.]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    close(rl.aggregate(values, mask, "token-mean"), (1 + 2 + 3 + 4) / 4)
+    close(rl.aggregate(values, mask, "seq-mean-token-mean"), (2 + 4) / 2)
+    close(rl.aggregate(values, mask, "seq-mean-token-sum-norm", max_len=4), (6 / 4 + 4 / 4) / 2)
+    # the count of the whole optimizer batch replaces this micro-batch's own
+    close(rl.aggregate(values, mask, "token-mean", count=8), 10 / 8)
+    close(rl.aggregate(values, mask, "seq-mean-token-mean", count=4), 6 / 4)
+    with pytest.raises(ValueError, match="max_len"):
+        rl.aggregate(values, mask, "seq-mean-token-sum-norm")
+
+
+def test_micro_batches_with_global_count_sum_to_the_whole_batch():
+    torch.manual_seed(0)
+    values, mask = torch.randn(6, 5), (torch.rand(6, 5) > 0.3).float()
+    for agg, count in [("token-mean", mask.sum()), ("seq-mean-token-mean", 6), ("seq-mean-token-sum-norm", 6)]:
+        whole = rl.aggregate(values, mask, agg, max_len=5)
+        parts = sum(rl.aggregate(values[i:i + 2], mask[i:i + 2], agg, max_len=5, count=float(count)) for i in (0, 2, 4))
+        close(parts, whole)
+
+
+# -----------------------------------------------------------------------------
+# policy_loss
+
+
+def leaf(values):
+    return torch.tensor(values, dtype=torch.float32, requires_grad=True)
+
+
+def test_pg_values_gradients_and_aggregations():
+    old = torch.full((2, 3), -1.0)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    advantages = torch.tensor([1.0, -2.0])
+    # pg's per-token value is -A; its gradient -A d(logp), scaled by the aggregation
+    expected = {"token-mean": (-0.25, [[-.25, -.25, -.25], [.5, 0, 0]]),
+                "seq-mean-token-mean": (0.5, [[-1 / 6, -1 / 6, -1 / 6], [1, 0, 0]]),
+                "seq-mean-token-sum-norm": (-0.125, [[-1 / 8, -1 / 8, -1 / 8], [.25, 0, 0]])}
+    for agg, (value, grad) in expected.items():
+        logp = leaf([[-1.2, -0.3, -2.0], [-0.7, -5.0, -5.0]])
+        loss, stats = rl.policy_loss(logp, old, advantages, mask, kind="pg", agg=agg, max_len=4)
+        loss.backward()
+        close(loss, value)
+        close(logp.grad, grad)
+        assert stats["clip_low"] == stats["clip_high"] == 0
+
+
+def test_ppo_clip_boundaries_on_both_sides():
+    #            A     ratio  -> token loss            gradient wrt logp (times 6 tokens)
+    cases = [(+1, 1.5),  # above 1 + eps_high with A > 0: clipped at -1.28, no gradient (clip_high)
+             (+1, 1.2),  # inside: -1.2, gradient -1.2
+             (-1, 0.5),  # below 1 - eps_low with A < 0: clipped at 0.8, no gradient (clip_low)
+             (-1, 0.9),  # inside: 0.9, gradient 0.9
+             (+1, 0.5),  # below the low bound but A > 0: the pessimistic side is unclipped: -0.5, gradient -0.5
+             (-1, 1.5)]  # above the high bound but A < 0: unclipped: 1.5, gradient 1.5
+    advantages = torch.tensor([a for a, _ in cases])
+    old = torch.zeros(6, 1)
+    logp = leaf([[math.log(r)] for _, r in cases])
+    loss, stats = rl.policy_loss(logp, old, advantages, torch.ones(6, 1), kind="ppo", eps_low=0.2, eps_high=0.28)
+    loss.backward()
+    close(loss, (-1.28 - 1.2 + 0.8 + 0.9 - 0.5 + 1.5) / 6)
+    close(logp.grad.squeeze(1), [0, -1.2 / 6, 0, 0.9 / 6, -0.5 / 6, 1.5 / 6])
+    close([stats["clip_low"], stats["clip_high"]], [1 / 6, 1 / 6])
+    close([stats["ratio_min"], stats["ratio_mean"], stats["ratio_max"]], [0.5, 6.1 / 6, 1.5])
+
+
+def test_ppo_dual_clip_caps_negative_advantages():
+    advantages = torch.tensor([-1.0, -1.0, 1.0])
+    logp = leaf([[math.log(4.0)], [math.log(1.5)], [math.log(4.0)]])
+    loss, _ = rl.policy_loss(logp, torch.zeros(3, 1), advantages, torch.ones(3, 1), kind="ppo", dual_clip=3.0)
+    loss.backward()
+    # ratio 4 with A = -1: max(4, 1.28) = 4 capped at 3 (no gradient); ratio 1.5: 1.5 < 3 untouched; A > 0: clipped at -1.28
+    close(loss, (3 + 1.5 - 1.28) / 3)
+    close(logp.grad.squeeze(1), [0, 1.5 / 3, 0])
+
+
+@pytest.mark.parametrize("agg", rl.AGGREGATIONS)
+def test_ppo_equals_pg_on_policy(agg):
+    torch.manual_seed(0)
+    logp_pg = (-torch.rand(3, 5) * 3).requires_grad_()
+    logp_ppo = logp_pg.detach().clone().requires_grad_()
+    advantages = torch.randn(3)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 1, 1, 1, 0]])
+    pg, _ = rl.policy_loss(logp_pg, logp_pg.detach(), advantages, mask, kind="pg", agg=agg, max_len=5)
+    ppo, stats = rl.policy_loss(logp_ppo, logp_ppo.detach(), advantages, mask, kind="ppo", agg=agg, max_len=5)
+    pg.backward()
+    ppo.backward()
+    close(ppo, pg, atol=1e-6)
+    close(logp_ppo.grad, logp_pg.grad, atol=1e-6)
+    assert stats["ratio_min"] == stats["ratio_max"] == 1.0
+
+
+def test_gspo_and_cispo_gradients_differ_from_ppo():
+    # One sequence, A = +1, token ratios 1.5 and 0.5 (old log-probs -1). Sequence ratio s = exp(mean log r) = sqrt(0.75).
+    old = torch.full((1, 2), -1.0)
+    logp_values = [[-1 + math.log(1.5), -1 + math.log(0.5)]]
+    advantages, mask = torch.tensor([1.0]), torch.ones(1, 2)
+    grads = {}
+    for kind in ("ppo", "gspo", "cispo"):
+        logp = leaf(logp_values)
+        loss, stats = rl.policy_loss(logp, old, advantages, mask, kind=kind, eps_low=0.2, eps_high=0.28)
+        loss.backward()
+        grads[kind] = logp.grad[0].tolist()
+        if kind == "gspo":
+            close(loss, -math.sqrt(0.75))
+            assert stats["clip_high"] == stats["clip_low"] == 0  # s = 0.866 is inside [0.8, 1.28]
+        if kind == "cispo":  # -(1.28 logp_0 + 0.8 logp_1) / 2 with the clipped weights detached
+            close(loss, -(1.28 * logp_values[0][0] + 0.8 * logp_values[0][1]) / 2)
+            assert stats["clip_high"] == stats["clip_low"] == 0.5
+    s = math.sqrt(0.75)
+    close(grads["ppo"], [0, -0.5 / 2])  # ratio 1.5 is clipped: no gradient; ratio 0.5 with A > 0 is not
+    close(grads["gspo"], [-s / 2, -s / 2])  # one ratio for the sequence: every token moves together
+    close(grads["cispo"], [-1.28 / 2, -0.8 / 2])  # the clipped token keeps a (clipped) gradient
+
+
+def test_gspo_clips_whole_sequences():
+    logp = leaf([[math.log(2.0), math.log(2.0)], [math.log(1.1), math.log(1.1)]])
+    loss, stats = rl.policy_loss(logp, torch.zeros(2, 2), torch.tensor([1.0, 1.0]), torch.ones(2, 2), kind="gspo",
+                                 eps_low=0.2, eps_high=0.28)
+    loss.backward()
+    close(loss, (-1.28 * 2 - 1.1 * 2) / 4)
+    close(logp.grad, [[0, 0], [-1.1 / 4, -1.1 / 4]])  # d s / d logp_t = s / |y|, then token-mean over 4 tokens
+    assert stats["clip_high"] == 0.5
+
+
+def test_weights_multiply_token_losses():
+    logp = leaf([[-1.0, -1.0]])
+    weights = torch.tensor([[2.0, 0.5]])
+    loss, _ = rl.policy_loss(logp, logp.detach(), torch.tensor([1.0]), torch.ones(1, 2), kind="ppo", weights=weights)
+    loss.backward()
+    close(loss, -(2.0 + 0.5) / 2)
+    close(logp.grad, [[-1.0, -0.25]])
+
+
+def test_policy_loss_rejects_unknown_kind():
+    with pytest.raises(ValueError, match="kind"):
+        rl.policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), kind="trpo")
+
+
+# -----------------------------------------------------------------------------
+# KL, mismatch weights, overlong penalty
+
+
+def test_kl_estimators_hand_values():
+    logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])  # d = log 2
+    d = math.log(2)
+    close(rl.kl_penalty(logp, ref, "k1"), [d])
+    close(rl.kl_penalty(logp, ref, "k2"), [d * d / 2])
+    close(rl.kl_penalty(logp, ref, "k3"), [0.5 - 1 + d])
+    close(rl.kl_penalty(ref, logp, "k3"), [2 - 1 - d])  # k3 >= 0 on both sides
+    close(rl.kl_penalty(logp, logp, "k3"), [0.0])
+
+
+def test_k2_gradient_is_the_kl_gradient_and_k3_is_not():
+    # Exact expectation over a 4-token categorical: sum_x pi(x) grad k(x) against grad KL(pi || pi_ref).
+    torch.manual_seed(0)
+    theta, ref = torch.randn(4, requires_grad=True), torch.randn(4).log_softmax(0)
+    logp = theta.log_softmax(0)
+    (kl_grad,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)
+    for kind, matches in (("k2", True), ("k3", False)):
+        logp = theta.log_softmax(0)
+        (grad,) = torch.autograd.grad((logp.exp().detach() * rl.kl_penalty(logp, ref, kind)).sum(), theta)
+        assert torch.allclose(grad, kl_grad, atol=1e-6) == matches
+
+
+def test_mismatch_weights():
+    trainer, engine = torch.tensor([0.5, 0.3, 0.1]).log(), torch.tensor([0.1, 0.3, 0.5]).log()  # rho = 5, 1, 0.2
+    close(rl.mismatch_weights(trainer, engine, "tis", cap=2.0), [2.0, 1.0, 0.2])
+    close(rl.mismatch_weights(trainer, engine, "mask", window=(0.5, 2.0)), [0, 1, 0])
+    close(rl.mismatch_weights(trainer, engine, "none"), [1, 1, 1])
+
+
+def test_overlong_penalty():
+    # budget 10, buffer 4: free up to 6 tokens, then linearly down to -1 at 10
+    close(rl.overlong_penalty(torch.tensor([3, 6, 7, 8, 10]), 10, 4), [0, 0, -0.25, -0.5, -1])
+
+
+# -----------------------------------------------------------------------------
+# A real tokenizer, a real (random, 2-layer) model, the real engine
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.train(synthetic_documents(300, seed=0), vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    torch.manual_seed(0)  # PyTorch's default init: a random model whose samples vary
+    config = GPTConfig(sequence_len=128, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+    return GPT(config).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, model, tokenizer):
+    path = tmp_path_factory.mktemp("ckpt") / "dpo"
+    save_checkpoint(path, 0, model, {"stage": "dpo"}, tokenizer=tokenizer)
+    return path
+
+
+class LengthParity:
+    """
+    Synthetic prompts with a reward a random model can both earn and miss: 1 if the completion's text has an even
+    number of characters. For prompts whose answer is even, every completion scores 1: a zero-contrast group.
+    """
+
+    def __init__(self, split="train", size=64):
+        self.task = SyntheticTask(split, size=size)
+
+    def __len__(self):
+        return len(self.task)
+
+    def __getitem__(self, i):
+        return self.task[i]
+
+    def reward(self, conversation, completion):
+        return 1.0 if int(conversation["answer"]) % 2 == 0 else float(len(completion) % 2 == 0)
+
+
+class Broken(LengthParity):
+    def reward(self, conversation, completion):
+        raise RuntimeError("verifier bug")
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=None, top_p=None),
+                                      dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_engine_logprobs_match_the_learner(model, tokenizer, sampling):
+    engine = Engine(model, tokenizer)
+    task = SyntheticTask("train", size=3)
+    prompts = [tokenizer.render_for_completion(task[i]) for i in range(3)]
+    results = engine.generate(prompts, num_samples=2, max_tokens=12, seed=0, **sampling)
+    groups = [{"prompt": p, "completions": c, "rewards": [0.0, 1.0]} for p, c in zip(prompts, results)]
+    rows = rl.learner_rows(groups, 2, "std", "mean", mask_truncated=False)
+    batch = rl.collate_rollouts(rows, pad_id=0, device="cpu")
+    assert batch["mask"].sum() == sum(len(c.tokens) for r in results for c in r)  # every sampled token, nothing else
+    with torch.no_grad():
+        logp, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], sampling)
+        gap = ((logp - batch["behavior"]).abs() * batch["mask"]).max()
+        assert gap < 1e-4
+        # scoring at another temperature than the one that sampled is visibly wrong: the check can fail
+        other, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], {**sampling, "temperature": 1.5})
+        assert ((other - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
+    close(batch["advantages"], [-1, 1, -1, 1, -1, 1])
+
+
+def test_mask_truncated_removes_completions_that_hit_the_budget(model, tokenizer):
+    engine = Engine(model, tokenizer)
+    prompt = tokenizer.render_for_completion(SyntheticTask("train", size=1)[0])
+    (completions,) = engine.generate([prompt], num_samples=4, max_tokens=3, seed=0)
+    assert all(c.finish == "length" for c in completions)  # a random model does not stop within 3 tokens
+    group = [{"prompt": prompt, "completions": completions, "rewards": [0.0, 1.0, 0.0, 1.0]}]
+    masked = rl.learner_rows(group, 4, "std", "mean", mask_truncated=True)
+    kept = rl.learner_rows(group, 4, "std", "mean", mask_truncated=False)
+    assert sum(map(sum, (m for _, m, _, _ in masked))) == 0
+    assert sum(map(sum, (m for _, m, _, _ in kept))) == 12
+
+
+def test_dynamic_sampling_never_returns_zero_contrast_groups(model, tokenizer):
+    engine = Engine(model, tokenizer)
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    groups, stats = rl.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=1, max_rounds=6)
+    assert len(groups) == 6
+    assert all(len(set(g["rewards"])) > 1 for g in groups)
+    assert stats["zero_contrast"] > 0  # some were drawn and dropped, and the logs count them
+    assert stats["groups"] == 6 * stats["rounds"] and stats["completions"] == 4 * stats["groups"]
+    # without the filter the even-answer groups come through
+    unfiltered, _ = rl.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=1, filter_zero_contrast=False)
+    assert any(len(set(g["rewards"])) == 1 for g in unfiltered)
+
+
+def test_dynamic_sampling_gives_up_after_the_cap_and_counts_verifier_errors(model, tokenizer):
+    engine = Engine(model, tokenizer)
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    groups, stats = rl.sample_groups(engine, Broken(), 2, 3, 4, sampling, seed=0, max_rounds=3)
+    assert groups == []  # every reward is 0: nothing to learn from, and no infinite loop
+    assert stats["rounds"] == 3 and stats["errors"] == stats["completions"] == 3 * 2 * 3
+    assert stats["reward_sum"] == stats["correct"] == 0
+
+
+# -----------------------------------------------------------------------------
+# The loop, in-process
+
+
+def run_rl(monkeypatch, tmp_path, checkpoint, *flags, task=LengthParity):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(rl, "load_task", lambda name, split, size: task(split, size=64))
+    base = ["--preset", "tiny", "--device", "cpu", "--ckpt", str(checkpoint), "--out", str(tmp_path / "rl"),
+            "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8", "--eval-problems", "8",
+            "--eval-samples", "2", "--device-batch-size", "5"]
+    rl.main(base + list(flags))
+    return tmp_path / "rl"
+
+
+def test_main_trains_saves_reports_and_resumes(monkeypatch, tmp_path, checkpoint, capsys):
+    out = run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "2", "--save-every", "1", "--eval-every", "1",
+                 "--epochs", "2", "--minibatches", "2")
+    text = capsys.readouterr().out
+    assert "step 2/2" in text and "eval step 2" in text
+    final, _, meta = load_model(out, "cpu")
+    assert meta["finished"] and meta["step"] == 2
+    initial, _, _ = load_model(checkpoint, "cpu")
+    assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), initial.state_dict().values()))
+    report = [json.loads(line) for line in (tmp_path / "home" / "report.jsonl").read_text().splitlines()]
+    assert report[-1]["stage"] == "rl" and {"pass@1", "pass@1_before", "pass@2"} <= report[-1].keys()
+
+    # Finished: a re-run with --resume does nothing.
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "2", "--resume")
+    assert "already finished" in capsys.readouterr().out
+
+    # Interrupted after step 1: --resume continues from there and ends with the same weights.
+    (out / "latest").write_text("step_000001")
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "2", "--save-every", "1", "--eval-every", "1",
+           "--epochs", "2", "--minibatches", "2", "--resume")
+    text = capsys.readouterr().out
+    assert "resuming at step 1" in text and "step 2/2" in text and "step 1/2" not in text
+    resumed, _, _ = load_model(out, "cpu")
+    for a, b in zip(resumed.state_dict().values(), final.state_dict().values()):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--loss", "gspo", "--eps-low", "3e-4", "--eps-high", "4e-4", "--loss-agg", "seq-mean-token-mean"],
+    ["--loss", "cispo", "--adv-scale", "none", "--loss-agg", "seq-mean-token-sum-norm", "--mismatch", "mask"],
+    ["--loss", "pg", "--adv-baseline", "loo", "--kl-coef", "0.1", "--kl-kind", "k3", "--overlong-buffer", "4",
+     "--mask-truncated", "--top-k", "50", "--temperature", "0.8"],
+])
+def test_main_runs_every_variant(monkeypatch, tmp_path, checkpoint, capsys, flags):
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "1", "--eval-every", "1", *flags)
+    assert "step 1/1" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_rl_raises_the_reward_of_a_random_model(monkeypatch, tmp_path, checkpoint, capsys):
+    # The sign check of the whole loop: on LengthParity a random policy earns ~0.75; 15 steps must raise it.
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "15", "--eval-every", "15", "--prompts-per-step", "8",
+           "--lr-frac", "1.0")
+    report = json.loads((tmp_path / "home" / "report.jsonl").read_text().splitlines()[-1])
+    assert report["pass@1"] > report["pass@1_before"] + 0.1, report
+
+
+# -----------------------------------------------------------------------------
+# The loop under torchrun: 2 CPU ranks (gloo) sample different prompts but must end with identical weights
+
+
+DDP_DRIVER = """
+import hashlib, os, sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+import rl, test_rl
+from engine import Engine
+rl.load_task = lambda name, split, size: test_rl.LengthParity(split, size=64)
+models = []
+rl.Engine = lambda model, tokenizer: models.append(model) or Engine(model, tokenizer)  # keep each rank's model
+rl.main(sys.argv[1:])
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in models[0].parameters())).hexdigest()
+with open(os.path.join({out!r}, "rank" + os.environ["RANK"]), "w") as f:
+    f.write(digest)
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_end_with_identical_weights(tmp_path, checkpoint):
+    driver = tmp_path / "driver.py"
+    driver.write_text(DDP_DRIVER.format(repo=str(REPO), tests=str(REPO / "tests"), out=str(tmp_path)))
+    env = {**os.environ, "NANOPOST_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver),
+               "--preset", "tiny", "--device", "cpu", "--ckpt", str(checkpoint), "--out", str(tmp_path / "rl"),
+               "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8",
+               "--eval-problems", "4", "--eval-samples", "2", "--minibatches", "2", "--device-batch-size", "3"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 rank(s)" in result.stdout and "step 2/2" in result.stdout
+    assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text()
+    final, _, meta = load_model(tmp_path / "rl", "cpu")
+    initial, _, _ = load_model(checkpoint, "cpu")
+    assert meta["finished"]
+    assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), initial.state_dict().values()))
