@@ -164,8 +164,8 @@ def main(argv=None):
     print0(f"parameters: {num_params:,} | FLOPs/token: {flops_per_token:.3e}")
     print0(f"batch: {args.total_batch_size:,} tokens/step = {args.device_batch_size} rows x {args.max_seq_len} tokens "
            f"x {world_size} processes x {grad_accum} accumulation steps")
-    print0(f"horizon: {num_iterations:,} steps, {total_tokens:,} tokens = {total_tokens / num_params:.2f} tokens/param, "
-           f"{flops_per_token * total_tokens:.3e} FLOPs")
+    print0(f"horizon: {num_iterations:,} steps, {total_tokens:,} tokens = {total_tokens / num_params:.2f} tokens per "
+           f"parameter, {flops_per_token * total_tokens:.3e} FLOPs")
     optimizers = model.setup_optimizers(args.matrix_lr, args.embedding_lr, args.unembedding_lr, args.weight_decay)
     adamw, muon = optimizers
     print0(f"learning rates: Muon {args.matrix_lr} | AdamW embedding {adamw.param_groups[1]['lr']:.5f}, lm_head "
@@ -274,8 +274,9 @@ def main(argv=None):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # DDP all-reduces gradients only on the last micro-step; the others just accumulate locally.
             accumulate_only = is_ddp and micro_step < grad_accum - 1
-            with autocast_ctx(device), model.no_sync() if accumulate_only else nullcontext():
-                loss = model(x, y)
+            with model.no_sync() if accumulate_only else nullcontext():
+                with autocast_ctx(device):
+                    loss = model(x, y)
                 (loss / grad_accum).backward()
             loss_sum += loss.detach()
         for optimizer in optimizers:
@@ -296,7 +297,8 @@ def main(argv=None):
         tokens_per_sec = args.total_batch_size / dt
         mfu = flops_per_token * tokens_per_sec / (peak * world_size) if peak else None
         if step % args.log_every == 0 or step == num_iterations - 1:
-            eta = format_eta((num_iterations - step - 1) * dt)
+            seconds_per_step = train_seconds * args.total_batch_size / train_tokens if train_tokens else dt
+            eta = format_eta((num_iterations - step - 1) * seconds_per_step)
             memory = f" | mem {torch.cuda.max_memory_allocated(device) / 2**30:.1f}GiB" if device.type == "cuda" else ""
             print0(f"step {step:05d}/{num_iterations:05d} | loss {loss_value:.6f} | lrm {lrm:.3f} | "
                    f"{tokens_per_sec:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu else "") + memory +

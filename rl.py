@@ -259,7 +259,7 @@ def mismatch_weights(trainer_logp, engine_logp, mode="tis", cap=2.0, window=(0.5
 
 
 def mix_seed(*numbers):
-    """A 63-bit seed from several integers (base seed, step, rank, round): every call site gets its own stream."""
+    """A 63-bit seed from several values (base seed, step, rank, round): every call site gets its own stream."""
     digest = hashlib.sha256(",".join(map(str, numbers)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
@@ -274,7 +274,7 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
                   max_rounds=4, overlong_buffer=0):
     """
     Roll out `num_groups` groups of `group_size` completions. Each round draws num_groups prompts of `task`
-    (without replacement, from a stream seeded by `seed` and the round), generates, scores, and keeps groups
+    (without replacement, from a random stream seeded by `seed`), generates, scores, and keeps groups
     until num_groups are kept. With filter_zero_contrast (DAPO's dynamic sampling), a group whose shaped
     rewards are all equal is dropped (its advantages would all be 0) and sampling continues, for at most
     max_rounds rounds: the batch may then come back short, never with a zero-contrast group.
@@ -287,7 +287,7 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
     rng = random.Random(seed)
     groups = []
     stats = dict.fromkeys(["groups", "completions", "reward_sum", "reward_sq_sum", "correct", "errors",
-                           "zero_contrast", "length_sum", "truncated", "tokens", "rounds"], 0)
+                           "zero_contrast", "length_sum", "truncated", "rounds"], 0)
     stats["length_max"] = 0
     for round_index in range(max_rounds):
         indices = rng.sample(range(len(task)), min(num_groups, len(task)))
@@ -313,7 +313,6 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
             stats["length_sum"] += int(lengths.sum())
             stats["length_max"] = max(stats["length_max"], int(lengths.max()))
             stats["truncated"] += sum(c.finish == "length" for c in completions)
-            stats["tokens"] += int(lengths.sum())
             if len(groups) < num_groups and not (filter_zero_contrast and zero_contrast):
                 groups.append({"prompt": prompt, "completions": completions, "rewards": shaped.tolist()})
         if len(groups) == num_groups:
@@ -644,7 +643,7 @@ def main(argv=None):
                    "mismatch/logp_gap_mean": tally["gap_sum"] / tokens, "mismatch/logp_gap_max": tally["gap_max"],
                    "mismatch/corrected_frac": tally["corrected"] / tokens,
                    "time/rollout_s": t1 - t0, "time/learner_s": t2 - t1,
-                   "time/rollout_tokens_per_s": tally["tokens"] / max(t1 - t0, 1e-9)}
+                   "time/rollout_tokens_per_s": tally["length_sum"] / max(t1 - t0, 1e-9)}
         if tally["loss_tokens"]:
             metrics.update({"policy/ratio_mean": tally["ratio_sum"] / loss_tokens, "policy/ratio_min": tally["ratio_min"],
                             "policy/ratio_max": tally["ratio_max"], "optim/steps": optimizer_steps})

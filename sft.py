@@ -26,15 +26,15 @@ import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine
 from eval import completion_text, evaluate_generative
-from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticTask, TaskMixture, collate, extract_final_answer,
-                   prepare_rows)
+from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
+                   extract_final_answer, prepare_rows)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, ~20-30 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k conversations,
 # ~200M tokens with padding) plus two of GSM8K train (15k), 64 conversations per rank per micro-batch; about 6 * N *
 # tokens = 7e17 FLOPs, 10-15 min of compute at 40% MFU, the rest padding and the final generation check.
 PRESETS = {
-    "tiny": dict(train_rows=2000, batch_size=32, device_batch_size=16, lr_frac=0.3, eval_every=25, eval_rows=256,
+    "tiny": dict(train_rows=4000, batch_size=32, device_batch_size=16, lr_frac=0.5, eval_every=25, eval_rows=256,
                  check_problems=256, check_samples=4, max_new_tokens=64, save_every=0),
     "full": dict(train_rows=None, batch_size=512, device_batch_size=64, lr_frac=0.02, eval_every=200, eval_rows=2000,
                  check_problems=256, check_samples=4, max_new_tokens=512, save_every=500),
@@ -52,7 +52,9 @@ def sft_mixture(preset, split, rows, seed=0):
     `rows`: rows of the main source (None: all).
     """
     if preset == "tiny":
-        return TaskMixture([("synthetic", SyntheticTask(split, rows or 2000, seed), None)], seed=seed)
+        return TaskMixture([("synthetic", SyntheticTask(split, rows, seed), None),
+                            ("synthetic-calculator", SyntheticCalculatorArithmetic(split, rows // 8, seed + 1), None)],
+                           seed=seed)
     if split == "train":
         smoltalk, gsm8k = SmolTalk("train", size=rows), GSM8K("train")
         sources = [("smoltalk", smoltalk, None), ("gsm8k", gsm8k, 2 * len(gsm8k)),

@@ -12,7 +12,7 @@
 #
 # The full preset (8xH100):
 #   tokenizer  65,536 tokens, BPE on 2B characters of FineWeb-Edu                                 ~2 min
-#   base       depth 20 (~560M parameters), 20 tokens per parameter (~11B tokens) of FineWeb-Edu  ~2.5 h
+#   base       depth 20 (~560M parameters), 15 tokens per parameter (8.4B tokens) of FineWeb-Edu   ~2.5 h
 #   SFT        SmolTalk + GSM8K train (calculator calls rendered as tool use)                     ~20 min
 #   DPO        UltraFeedback-binarized preference pairs                                            ~20 min
 #   RL         GRPO on GSM8K train, verified by exact match of the '####' answer                   ~40 min

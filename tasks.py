@@ -483,6 +483,33 @@ class SyntheticPreferences:
         return {**preference_pair(chosen["messages"], rejected), "answer": chosen["answer"]}
 
 
+class SyntheticCalculatorArithmetic:
+    """
+    The arithmetic problems (add, sub, mul) of SyntheticTask(split, size, seed) answered with a calculator call
+    instead of from memory: "<|python_start|>12+30<|python_end|><|output_start|>42<|output_end|>.\n#### 42".
+    A few of these in the SFT mixture teach the model that the tool exists for bare arithmetic too; the SFT
+    model then uses it on a minority of samples, the ones that are right, which leaves DPO and RL something to
+    discover. len() counts the arithmetic problems only.
+    """
+
+    def __init__(self, split="train", size=1000, seed=0):
+        self.problems = [p for p in SyntheticTask(split, size, seed).problems if p["kind"] != "story"]
+
+    def __len__(self):
+        return len(self.problems)
+
+    def __getitem__(self, i):
+        problem = self.problems[i]
+        (expr, value), = problem["steps"]
+        parts = [{"type": "python", "text": expr}, {"type": "python_output", "text": str(value)},
+                 {"type": "text", "text": f".\n#### {value}"}]
+        return {"messages": [{"role": "user", "content": problem["question"]}, {"role": "assistant", "content": parts}],
+                "answer": str(value)}
+
+    def reward(self, conversation, completion):
+        return exact_match_reward(completion, conversation["answer"])
+
+
 class RowTooLong(ValueError):
     """A well-formed row longer than the stage's context: skipped, and counted apart from malformed rows."""
 

@@ -1,7 +1,7 @@
 import torch
 
-# Two cores on CI: one intra-op thread per test process keeps timings predictable.
-torch.set_num_threads(2)
+# Two cores on CI: one intra-op thread per test process keeps timings predictable (torchrun tests start two).
+torch.set_num_threads(1)
 
 
 # -----------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_optimizers_fit_a_batch():
     optimizers = model.setup_optimizers(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
     x = torch.randint(0, 64, (4, 32))
     losses = []
-    for _ in range(30):
+    for _ in range(10):
         loss = model(x[:, :-1], x[:, 1:])
         loss.backward()
         for optimizer in optimizers:
@@ -106,4 +106,4 @@ def test_optimizers_fit_a_batch():
         model.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(64), abs=0.05)  # lm_head starts near zero: uniform predictions
-    assert losses[-1] < 0.5 * losses[0]
+    assert losses[-1] < 0.3 * losses[0]
