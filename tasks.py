@@ -10,6 +10,8 @@ or the test split by a hash of its question text, so the held-out split never le
 """
 
 import hashlib
+import json
+import os
 import random
 import re
 import signal
@@ -17,6 +19,7 @@ import threading
 from collections import Counter, deque
 from contextlib import contextmanager
 from itertools import islice
+from pathlib import Path
 
 import torch
 
@@ -277,13 +280,18 @@ def pretraining_texts(preset, split, max_chars=None):
 # -----------------------------------------------------------------------------
 # Hub datasets. Each loader takes `local`: a path (or list of paths) to .parquet / .jsonl / .json files with the
 # hub dataset's schema. Given, the rows come from there through the same `datasets` code path; otherwise they are
-# downloaded from the Hugging Face hub. Tests and offline machines use `local`.
+# downloaded from the Hugging Face hub. Tests and offline machines use `local`. A whole run can be pointed at
+# pre-downloaded (or stand-in) files with $NANOPOST_DATA_DIR: the rows of repo/config/split are then read from
+# $NANOPOST_DATA_DIR/<repo>/<config or "default">/<split>*.{parquet,jsonl} when such files exist.
 
 
 def load_rows(repo, split, config=None, local=None, streaming=False, size=None):
     """Rows (dicts) of a hub dataset split, or of local files of the same schema; the first `size` rows if given."""
     from datasets import load_dataset  # heavy import, only where hub data is used
 
+    if local is None and os.environ.get("NANOPOST_DATA_DIR"):
+        folder = Path(os.environ["NANOPOST_DATA_DIR"]) / repo / (config or "default")
+        local = sorted(folder.glob(f"{split}*.parquet")) + sorted(folder.glob(f"{split}*.jsonl")) or None
     if local is None:
         rows = load_dataset(repo, config, split=split, streaming=streaming)
     else:
@@ -613,3 +621,55 @@ def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_siz
         rows = torch.tensor(row, dtype=torch.long).view(batch_size, seq_len + 1)
         position = (queue[0][0], offset) if queue else (next_doc, 0)
         yield rows[:, :-1], rows[:, 1:], position
+
+
+# -----------------------------------------------------------------------------
+# Stand-in hub data: small local files with each hub dataset's schema, laid out for $NANOPOST_DATA_DIR. They let
+# the full preset's data pipelines run end to end offline (speedrun.sh --dry-run) and in tests.
+
+
+def write_stand_in_data(root, seed=0, documents=12_000, rows=64):
+    """Write stand-in files of every hub dataset the full preset reads under `root`; returns `root`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    root = Path(root)
+
+    def write_jsonl(repo, config, split, records):
+        folder = root / repo / config
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    # FineWeb-Edu: random-word text, varied enough for a 65,536-token BPE; more than FINEWEB_VAL_DOCS documents.
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(60_000)]
+    texts = [" ".join(rng.choices(words, k=rng.randint(20, 200))) + "." for _ in range(documents)]
+    folder = root / FINEWEB_REPO / FINEWEB_CONFIG
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": texts}), folder / "train-00000.parquet")
+
+    for split in ("train", "test"):
+        problems = [p for p, _ in zip(synthetic_problems(split, seed), range(rows))]
+        gsm8k = [{"question": p["question"],
+                  "answer": "".join(f"{e} = <<{e}={v}>>{v}.\n" for e, v in p["steps"]) + f"#### {p['answer']}"}
+                 for p in problems]
+        write_jsonl("openai/gsm8k", "main", split, gsm8k)
+        chats = [{"messages": [{"role": "user", "content": p["question"]},
+                               {"role": "assistant", "content": f"It is {p['answer']}."}]} for p in problems]
+        write_jsonl("HuggingFaceTB/smol-smoltalk", "default", split, chats)
+        prefs = [{"prompt": p["question"], "chosen": c["messages"],
+                  "rejected": c["messages"][:1] + [{"role": "assistant", "content": f"It is {p['answer'] + 1}."}]}
+                 for p, c in zip(problems, chats)]
+        write_jsonl("HuggingFaceH4/ultrafeedback_binarized", "default", f"{split}_prefs", prefs)
+    questions = [(p["question"], p["answer"]) for p, _ in zip(synthetic_problems("test", seed + 1), range(rows))]
+    choices = [[str(a), str(a + 1), str(a - 1), str(a + 10)] for _, a in questions]
+    arc = [{"id": str(i), "question": q, "choices": {"text": c, "label": list("ABCD")}, "answerKey": "A"}
+           for i, ((q, _), c) in enumerate(zip(questions, choices))]
+    mmlu = [{"question": q, "subject": "elementary_mathematics", "choices": c, "answer": 0}
+            for (q, _), c in zip(questions, choices)]
+    for split in ("train", "validation", "test"):
+        write_jsonl("allenai/ai2_arc", "ARC-Easy", split, arc)
+        write_jsonl("allenai/ai2_arc", "ARC-Challenge", split, arc)
+    for split in ("dev", "validation", "test"):
+        write_jsonl("cais/mmlu", "all", split, mmlu)
+    return root

@@ -125,3 +125,17 @@ def test_collate_shifts_masks_and_pads_without_cropping():
     assert inputs.dtype == targets.dtype == torch.long
     with pytest.raises(ValueError, match="mask"):
         tasks.collate([([1, 2], [0])], pad_id=0)
+
+
+def test_stand_in_data_routes_every_hub_loader_through_nanopost_data_dir(tmp_path, monkeypatch):
+    tasks.write_stand_in_data(tmp_path, documents=30, rows=8)
+    monkeypatch.setenv("NANOPOST_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(tasks, "FINEWEB_VAL_DOCS", 10)
+    assert len(list(tasks.fineweb_texts("val"))) == 10 and len(list(tasks.fineweb_texts("train"))) == 20
+    gsm8k = tasks.GSM8K("test")
+    assert len(gsm8k) == 8 and gsm8k[0]["messages"][1]["content"][1]["type"] == "python"
+    assert len(tasks.SmolTalk("train")) == 8
+    assert tasks.UltraFeedback("test_prefs")[0]["chosen"]["messages"][0]["role"] == "user"
+    for name in ("arc-easy", "arc-challenge", "mmlu"):
+        item = tasks.MultipleChoice(name, "test")[0]
+        assert item["choices"][item["answer"]] == item["choices"][0]
