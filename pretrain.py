@@ -132,6 +132,8 @@ def parse_args(argv=None):
     parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no logging)")
     parser.add_argument("--out", default=None, help="checkpoint folder (default: $NANOPOST_HOME/checkpoints/base)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out if any")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, build the model and the data "
+                        "pipeline, save the untrained model as a stand-in base checkpoint and stop (no training)")
     args = parser.parse_args(argv)
     for key, value in {**DEFAULTS, **PRESETS[args.preset]}.items():
         if getattr(args, key) is None:
@@ -206,6 +208,15 @@ def main(argv=None):
     train_texts = training_texts(args.data, "train", args.data_files)
     batches = tasks.pretraining_batches(tokenizer, train_texts, args.device_batch_size, args.max_seq_len, rank,
                                         world_size, start=data_position)
+    if args.dry_run:
+        x, _, _ = next(batches)
+        print0(f"dry run: the training pipeline yields rows of shape {tuple(x.shape)}; saving the untrained model "
+               f"as a stand-in base checkpoint in {args.out} and stopping")
+        if master:
+            save_checkpoint(args.out, 0, orig_model, {"stage": "base", "finished": False, "dry_run": True},
+                            tokenizer=tokenizer)
+        compute_cleanup()
+        return
     eval_steps = max(args.eval_tokens // tokens_per_micro_step, 1)
     val_texts = training_texts(args.data, "val", args.data_files)
     val_batches = [(x, y) for x, y, _ in islice(tasks.pretraining_batches(
