@@ -51,10 +51,11 @@ import torch.distributed as dist
 import common
 from common import autocast_ctx, format_eta, get_dist_info, print0
 from engine import Engine
-from tasks import GSM8K, LETTERS, MultipleChoice, SyntheticTask, collate, pretraining_batches, pretraining_texts, safe_reward
+from tasks import (GSM8K, LETTERS, MultipleChoice, SyntheticTask, collate, pretraining_batches, pretraining_texts,
+                   safe_reward)
 
 STAGES = ("base", "sft", "dpo", "rl")  # the checkpoints eval.py evaluates
-PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl")  # order of the report card (pretrain.py writes "pretrain")
+PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl")  # the report card's order (pretrain.py: "pretrain")
 GENERATIVE_TASKS = ("synthetic", "gsm8k")
 MC_TASKS = tuple(MultipleChoice.SOURCES)  # arc-easy, arc-challenge, mmlu
 MC_STYLE = {"arc-easy": "continuation", "arc-challenge": "continuation", "mmlu": "letter"}
@@ -62,7 +63,7 @@ MC_SHOTS = {"arc-easy": 0, "arc-challenge": 0, "mmlu": 5}
 
 PRESETS = {
     # tiny: the synthetic world only (offline, seconds on a CPU). Hub tasks need --preset full or --data-dir.
-    # bpb_tokens: the validation tokens of pretrain.py's presets, so the base checkpoint's bpb here is its final val_bpb.
+    # bpb_tokens: the validation tokens of pretrain.py's presets, so the base checkpoint's bpb is its final val_bpb.
     "tiny": {"base_tasks": "bpb", "chat_tasks": "bpb,synthetic", "max_problems": 200, "max_tokens": 96,
              "bpb_tokens": 16384, "batch_size": 32},
     "full": {"base_tasks": "bpb,arc-easy,arc-challenge,mmlu", "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu",
@@ -205,7 +206,8 @@ def base_prompt(item, shots, style):
 
     header = ""
     if style == "letter":  # MMLU's own prompt header
-        header = f"The following are multiple choice questions (with answers) about {item['subject'].replace('_', ' ')}.\n\n"
+        subject = item["subject"].replace("_", " ")
+        header = f"The following are multiple choice questions (with answers) about {subject}.\n\n"
     solved = "".join(question + continuations[shot["answer"]] + "\n\n" for shot in shots
                      for question, continuations in [block(shot)])
     question, continuations = block(item)
@@ -227,7 +229,8 @@ def continuation_logprobs(model, requests, device, batch_size=32):
         score = sum_{t in continuation} log p(x_t | x_<t)
 
     Rows are right-padded into batches of `batch_size`. A row longer than sequence_len + 1 tokens keeps its last
-    sequence_len + 1: the context is cut from the left, the continuation is always scored whole. Returns a list of floats.
+    sequence_len + 1: the context is cut from the left, the continuation is always scored whole.
+    Returns a list of floats.
     """
     keep = model.config.sequence_len + 1
     scores = []
@@ -403,7 +406,7 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
 
 
 def local_file(data_dir, name):
-    """The file of task `name` in --data-dir ({name}.parquet, .jsonl or .json, hub schema), or None without a data dir."""
+    """The file of task `name` in --data-dir ({name}.parquet, .jsonl or .json, hub schema); None without --data-dir."""
     if data_dir is None:
         return None
     candidates = [Path(data_dir) / f"{name}{suffix}" for suffix in (".parquet", ".jsonl", ".json")]
@@ -503,17 +506,21 @@ def latest_stage_records(records):
 
 def merged_evals(records):
     """
-    {stage: {"metrics": {...}, "coverage": {...}, "step": ...}} from the eval records, in file order: a later run
-    overrides the metrics it measured again and keeps the others (e.g. GSM8K evaluated in a separate run).
+    {stage: {"metrics": {...}, "coverage": {...}, "step": ...}} from the eval records, in file order. A later run on
+    the same checkpoint (same ckpt and step) overrides the metrics it measured again and keeps the others (e.g.
+    GSM8K evaluated in a separate run); a run on a new checkpoint of the stage starts the stage's entry afresh.
     """
     merged = {}
     for record in records:
         if record.get("stage") != "eval":
             continue
-        entry = merged.setdefault(record["of"], {"metrics": {}, "coverage": {}, "step": None})
+        checkpoint = (record.get("ckpt"), record.get("step"))
+        entry = merged.get(record["of"])
+        if entry is None or entry["checkpoint"] != checkpoint:
+            entry = merged[record["of"]] = {"metrics": {}, "coverage": {}, "step": record.get("step"),
+                                            "checkpoint": checkpoint}
         entry["metrics"].update(record.get("metrics", {}))
         entry["coverage"].update(record.get("coverage", {}))
-        entry["step"] = record.get("step", entry["step"])
     order = {stage: i for i, stage in enumerate(PIPELINE)}
     return dict(sorted(merged.items(), key=lambda item: order.get(item[0], len(order))))
 
@@ -543,8 +550,8 @@ def coverage_table(rows):
             return "n/a"
         return f"{value:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
 
-    lines = ["| task | stage | n | problems | pass@1 | pass@n | A = pass@n - pass@1 [95% CI] | S = A / (1 - pass@1) [95% CI] |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | stage | n | problems | pass@1 | pass@n | A = pass@n - pass@1 [95% CI] "
+             "| S = A / (1 - pass@1) [95% CI] |", "|---|---|---|---|---|---|---|---|"]
     for task, stage, n, problems, p1, pn, gain, normalised, gain_interval, normalised_interval in rows:
         lines.append(f"| {task} | {stage} | {n} | {problems} | {p1:.3f} | {pn:.3f} | "
                      f"{with_interval(gain, gain_interval)} | {with_interval(normalised, normalised_interval)} |")
@@ -635,7 +642,8 @@ def render_report(records, env, plots=None, plot_root="."):
         lines += ["", "## Task metrics", "", "| metric | " + " | ".join(evals) + " |", "|---" * (len(evals) + 1) + "|"]
         lines.append("| checkpoint step | " + " | ".join(format_value(e["step"]) for e in evals.values()) + " |")
         for name in metric_names:
-            lines.append(f"| {name} | " + " | ".join(format_value(e["metrics"].get(name)) for e in evals.values()) + " |")
+            cells = [format_value(entry["metrics"].get(name)) for entry in evals.values()]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines += ["", "bpb: bits per byte of the validation text (lower is better). Multiple choice (acc): the base "
                   "model by log-likelihood of each choice (acc_norm: per character), chat stages by the log-prob of "
                   "the answer letter. pass@k: unbiased estimate from n samples per problem."]
@@ -684,13 +692,16 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=None,
                         help="sampling temperature (default: 0, greedy, for one sample; 1.0 for several)")
     parser.add_argument("--top-k", type=int, default=None, help="sample from the top-k tokens only (default: all)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="longest completion in tokens (default: tiny 96, full 512)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="longest completion in tokens (default: tiny 96, full 512)")
     parser.add_argument("--max-problems", type=int, default=None,
                         help="evaluate the first N problems of each task (default: tiny 200, full all)")
     parser.add_argument("--few-shot", type=int, default=None,
                         help="few-shot examples for base-model multiple choice (default: ARC 0, MMLU 5)")
-    parser.add_argument("--bpb-tokens", type=int, default=None, help="validation tokens for bpb (default: tiny 16384, full 5.2M)")
-    parser.add_argument("--batch-size", type=int, default=None, help="prompts per generation batch, rows per forward pass (default 32)")
+    parser.add_argument("--bpb-tokens", type=int, default=None,
+                        help="validation tokens for bpb (default: as pretrain.py, tiny 16384, full 5.2M)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="prompts per generation batch, rows per forward pass (default 32)")
     parser.add_argument("--data-dir", default=None,
                         help="local task files {task}.parquet|.jsonl|.json with the hub schema, instead of downloading")
     parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
@@ -714,7 +725,8 @@ def main(argv=None):
         parser.error(f"--k {args.k}: every k must be between 1 and --num-samples ({args.num_samples})")
     for name in (args.tasks or "").split(","):
         if name.strip() and name.strip() not in ("bpb",) + GENERATIVE_TASKS + MC_TASKS:
-            parser.error(f"--tasks: unknown task {name.strip()!r}; expected bpb, {', '.join(GENERATIVE_TASKS + MC_TASKS)}")
+            parser.error(f"--tasks: unknown task {name.strip()!r}; "
+                         f"expected bpb, {', '.join(GENERATIVE_TASKS + MC_TASKS)}")
     temperature = args.temperature if args.temperature is not None else (0.0 if args.num_samples == 1 else 1.0)
     max_tokens = args.max_tokens or preset["max_tokens"]
     max_problems = args.max_problems or preset["max_problems"]
@@ -728,7 +740,8 @@ def main(argv=None):
     logged = {}
     for stage in stages:
         t_stage = time.time()
-        ckpt = args.ckpt or common.checkpoint_dir(stage)
+        # The step folder with links resolved: what the report uses to tell checkpoints apart.
+        ckpt = common.resolve_checkpoint(args.ckpt or common.checkpoint_dir(stage)).resolve()
         model, tokenizer, meta = common.load_model(ckpt, device)
         engine = Engine(model, tokenizer)
         task_names = [name.strip() for name in (args.tasks or preset["base_tasks" if stage == "base" else "chat_tasks"])
@@ -750,7 +763,8 @@ def main(argv=None):
                     result = evaluate_multiple_choice(model, tokenizer, items, MC_STYLE[name], shots, batch_size,
                                                       args.seed, label)
                     metrics[f"{name}/acc"], metrics[f"{name}/acc_norm"] = result["acc"], result["acc_norm"]
-                    shown = f"acc {result['acc']:.4f} | acc_norm {result['acc_norm']:.4f} ({shots}-shot, {result['count']} items)"
+                    shown = (f"acc {result['acc']:.4f} | acc_norm {result['acc_norm']:.4f} "
+                             f"({shots}-shot, {result['count']} items)")
                 else:
                     result = evaluate_multiple_choice_chat(model, tokenizer, items, batch_size, label)
                     metrics[f"{name}/acc"] = result["acc"]
@@ -758,7 +772,8 @@ def main(argv=None):
             else:
                 task = load_task(name, args.data_dir, max_problems)
                 result = evaluate_generative(engine, task, list(range(len(task))), args.num_samples, ks, max_tokens,
-                                             temperature, args.top_k, batch_size=batch_size, seed=args.seed, label=label)
+                                             temperature, args.top_k, batch_size=batch_size, seed=args.seed,
+                                             label=label)
                 metrics.update({f"{name}/pass@{k}": result[f"pass@{k}"] for k in ks})
                 coverage[name] = {"samples": args.num_samples, "correct": result["correct"].tolist()}
                 shown = " | ".join(f"pass@{k} {result[f'pass@{k}']:.4f}" for k in ks)

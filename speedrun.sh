@@ -20,6 +20,24 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+if [ "${1:-}" = "--dry-run" ]; then
+  # The full preset as far as a machine without GPUs or hub access can check it: every stage builds its config,
+  # model and data pipeline on small local stand-in files of each hub dataset's schema, prints its plan
+  # (parameters, token budgets, FLOPs) and stops without training. Needs ~4 GB of disk for the stand-in base.
+  DRY=$(mktemp -d)
+  trap 'rm -rf "$DRY"' EXIT
+  export NANOPOST_HOME="$DRY/home" NANOPOST_DATA_DIR="$DRY/data"
+  python -c "import tasks; tasks.write_stand_in_data('$NANOPOST_DATA_DIR')"
+  python tokenizer.py --preset full --max-chars 20000000
+  BASE="$NANOPOST_HOME/checkpoints/base"
+  python pretrain.py --preset full --dry-run --device cpu
+  python sft.py --preset full --dry-run --device cpu --ckpt "$BASE"
+  python dpo.py --preset full --dry-run --device cpu --ckpt "$BASE"
+  python rl.py --preset full --dry-run --device cpu --ckpt "$BASE"
+  echo "speedrun --dry-run: every stage of the full preset built its model and data pipeline"
+  exit 0
+fi
+
 export NANOPOST_HOME="${NANOPOST_HOME:-$HOME/.cache/nanopost}"
 RUN="${WANDB_RUN:-dummy}"
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")

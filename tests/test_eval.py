@@ -65,7 +65,8 @@ def trained_model(tokenizer):
         rows.append(tokenizer.render_conversation(conversation))
     x, y = collate(rows, pad_id=0)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(sequence_len=96, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64))
+    config = GPTConfig(sequence_len=96, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    model = GPT(config)
     model.init_weights()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(50):  # accuracy is 1.0 from ~30 steps on (loss ~0.02 at 50)
@@ -80,7 +81,8 @@ def trained_model(tokenizer):
 # pass@k
 
 
-@pytest.mark.parametrize("n, c, k", [(1, 0, 1), (1, 1, 1), (5, 2, 1), (5, 2, 3), (10, 3, 5), (10, 0, 10), (20, 19, 2), (16, 4, 16)])
+@pytest.mark.parametrize("n, c, k", [(1, 0, 1), (1, 1, 1), (5, 2, 1), (5, 2, 3), (10, 3, 5), (10, 0, 10), (20, 19, 2),
+                                     (16, 4, 16)])
 def test_pass_at_k_matches_closed_form_and_brute_force(n, c, k):
     closed = 1 - math.comb(n - c, k) / math.comb(n, k)
     samples = [1] * c + [0] * (n - c)
@@ -163,7 +165,8 @@ def test_bpb_of_a_uniform_model_is_log2_vocab_per_byte(tokenizer, tmp_path, monk
     ids = tokenizer.encode(["What is 3 + 4?", "Tables: 2 * 5 = 10"], prepend="<|bos|>")
     x, y = collate([(row, [1] * len(row)) for row in ids], pad_id=0)  # y: -1 in padding; <|bos|> has 0 bytes
     counted = [t for t in y.flatten().tolist() if t >= 0 and t != tokenizer.bos_id]
-    expected = math.log2(tokenizer.vocab_size) * len(counted) / sum(len(tokenizer.decode([t]).encode()) for t in counted)
+    num_bytes = sum(len(tokenizer.decode([t]).encode()) for t in counted)
+    expected = math.log2(tokenizer.vocab_size) * len(counted) / num_bytes
     assert ev.evaluate_bpb(uniform, [(x, y)], token_bytes, "cpu") == pytest.approx(expected, rel=1e-6)
 
     # the CLI: the preset's validation text, packed like pretraining, about --bpb-tokens tokens
@@ -173,7 +176,8 @@ def test_bpb_of_a_uniform_model_is_log2_vocab_per_byte(tokenizer, tmp_path, monk
     batches = list(ev.validation_batches(tokenizer, "tiny", 4, uniform.config.sequence_len, 2048))
     assert len(batches) == 2048 // (4 * 64)
     targets = torch.cat([y.flatten() for _, y in batches])
-    expected = math.log2(tokenizer.vocab_size) * (token_bytes[targets] > 0).sum().item() / token_bytes[targets].sum().item()
+    num_bytes = token_bytes[targets]
+    expected = math.log2(tokenizer.vocab_size) * (num_bytes > 0).sum().item() / num_bytes.sum().item()
     assert common.read_report()[-1]["metrics"] == {"bpb": pytest.approx(expected, rel=1e-6)}
 
 
@@ -184,7 +188,8 @@ def test_bpb_of_a_uniform_model_is_log2_vocab_per_byte(tokenizer, tmp_path, monk
 def test_base_prompt_formats():
     shot = {"question": "2+2?", "choices": ["3", "4"], "answer": 1, "subject": "high_school_math"}
     item = {"question": "1+1?", "choices": ["2", "5"], "answer": 0, "subject": "high_school_math"}
-    assert ev.base_prompt(item, [shot], "continuation") == ("Question: 2+2?\nAnswer: 4\n\nQuestion: 1+1?\nAnswer:", [" 2", " 5"])
+    assert ev.base_prompt(item, [shot], "continuation") == (
+        "Question: 2+2?\nAnswer: 4\n\nQuestion: 1+1?\nAnswer:", [" 2", " 5"])
     assert ev.base_prompt(item, [shot], "letter") == (
         "The following are multiple choice questions (with answers) about high school math.\n\n"
         "2+2?\nA. 3\nB. 4\nAnswer: B\n\n1+1?\nA. 2\nB. 5\nAnswer:", [" A", " B"])
@@ -199,8 +204,8 @@ def test_pick_choices_sum_and_per_character():
 def test_continuation_logprobs_equal_manual_sums(random_model, tokenizer):
     long_context = tokenizer.encode("Question: " + "What is 2 + 2? " * 12, prepend="<|bos|>")
     assert len(long_context) > random_model.config.sequence_len  # this one is cut from the left
-    requests = [(tokenizer.encode("Question: What color is the sky?\nAnswer:", prepend="<|bos|>"), tokenizer.encode(f" {c}"))
-                for c in COLORS] + [(long_context, tokenizer.encode(" 4"))]
+    sky = tokenizer.encode("Question: What color is the sky?\nAnswer:", prepend="<|bos|>")
+    requests = [(sky, tokenizer.encode(f" {c}")) for c in COLORS] + [(long_context, tokenizer.encode(" 4"))]
     got = ev.continuation_logprobs(random_model, requests, "cpu", batch_size=3)  # padded batches of 3, 2
     for (context, continuation), score in zip(requests, got):
         ids = (context + continuation)[-(random_model.config.sequence_len + 1):]
@@ -310,12 +315,14 @@ def test_distributed_eval_gathers_the_same_counts_as_one_process(tokenizer, rand
 def test_cli_compare_writes_records_and_the_report(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     # "sft" follows the script with probability ~0.79 per token, "rl" (sharper) with ~0.997.
-    common.save_checkpoint(common.checkpoint_dir("sft"), 10, answer_24_model(tokenizer, scale=1.0), {}, tokenizer=tokenizer)
-    common.save_checkpoint(common.checkpoint_dir("rl"), 20, answer_24_model(tokenizer, scale=2.0), {}, tokenizer=tokenizer)
+    for stage, step, scale in (("sft", 10, 1.0), ("rl", 20, 2.0)):
+        model = answer_24_model(tokenizer, scale)
+        common.save_checkpoint(common.checkpoint_dir(stage), step, model, {}, tokenizer=tokenizer)
     ev.main(["--compare", "sft", "rl", "--tasks", "synthetic", "--num-samples", "4", "--k", "1,2,4",
              "--max-problems", str(NUM_PROBLEMS), "--max-tokens", "6", "--device", "cpu"])
     records = common.read_report()
     assert [(r["stage"], r["of"], r["step"]) for r in records] == [("eval", "sft", 10), ("eval", "rl", 20)]
+    assert records[0]["ckpt"] == str((common.checkpoint_dir("sft") / "step_000010").resolve())  # the step folder
     solvable = [i for i, c in enumerate(expected_correct(1)) if c]
     for record in records:
         correct = record["coverage"]["synthetic"]["correct"]
@@ -326,7 +333,8 @@ def test_cli_compare_writes_records_and_the_report(tokenizer, tmp_path, monkeypa
     sft, rl = (r["coverage"]["synthetic"]["correct"] for r in records)
     assert sum(rl) > sum(sft)  # the sharper policy is right more often
     report = (tmp_path / "report.md").read_text()
-    assert "## Coverage" in report and "| synthetic | sft | 4 | 40 |" in report and "| synthetic | rl | 4 | 40 |" in report
+    assert "## Coverage" in report
+    assert "| synthetic | sft | 4 | 40 |" in report and "| synthetic | rl | 4 | 40 |" in report
 
 
 def test_cli_rejects_k_above_num_samples(tmp_path, monkeypatch):
@@ -351,4 +359,5 @@ def test_cli_multiple_choice_from_local_files(trained_model, tokenizer, tmp_path
     assert base["metrics"] == {"arc-easy/acc": 1.0, "arc-easy/acc_norm": 1.0}
     assert sft["metrics"] == {"arc-easy/acc": 1.0}
     with pytest.raises(FileNotFoundError, match="mmlu"):
-        ev.main(["--stage", "base", "--ckpt", str(tmp_path / "ckpt"), "--tasks", "mmlu", "--data-dir", str(tmp_path / "data")])
+        ev.main(["--stage", "base", "--ckpt", str(tmp_path / "ckpt"), "--tasks", "mmlu",
+                 "--data-dir", str(tmp_path / "data")])

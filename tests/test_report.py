@@ -23,6 +23,8 @@ RECORDS = [
     {"time": "2025-01-01 10:11:00", "stage": "eval", "of": "rl", "step": 30,
      "metrics": {"synthetic/pass@1": 0.5, "synthetic/pass@4": 0.5},
      "coverage": {"synthetic": {"samples": 4, "correct": [4, 4, 0, 0]}}},
+    {"time": "2025-01-01 10:07:00", "stage": "eval", "of": "base", "step": 100,  # superseded by step 200 below
+     "metrics": {"bpb": 1.4, "arc-easy/acc": 0.25}},
     {"time": "2025-01-01 10:12:00", "stage": "eval", "of": "base", "step": 200, "metrics": {"bpb": 1.2}},
     {"time": "2025-01-01 10:13:00", "stage": "eval", "of": "sft", "step": 50, "metrics": {"gsm8k/pass@1": 0.125}},
 ]
@@ -48,7 +50,8 @@ def test_report_tables(home, monkeypatch):
     assert "| val_bpb | 1.2 |" in lines and "| val_bpb | 1.25 |" not in lines
     assert "| seconds | 130 |" in lines and "| val_bytes_per_token | 3.142 |" in lines
     assert "| metrics/val_loss | 0.8 |" in lines  # nested metrics are flattened
-    # one table across stages, in pipeline order; the later sft run added gsm8k and kept the rest
+    # one table across stages, in pipeline order; the later sft run (same checkpoint) added gsm8k and kept the
+    # rest; base's step-100 evaluation is replaced by the step-200 one, arc-easy included
     table = lines[lines.index("| metric | base | sft | rl |"):][:7]
     assert table == ["| metric | base | sft | rl |", "|---|---|---|---|",
                      "| checkpoint step | 200 | 50 | 30 |",
@@ -56,6 +59,7 @@ def test_report_tables(home, monkeypatch):
                      "| synthetic/pass@1 |  | 0.4375 | 0.5 |",
                      "| synthetic/pass@4 |  | 0.75 | 0.5 |",
                      "| gsm8k/pass@1 |  | 0.125 |  |"]
+    assert "arc-easy" not in report
     # coverage, hand-computed: sft pass@1 7/16, pass@4 3/4, A = 5/16, S = 5/9. rl solves two problems always and
     # two never: A = 0 on every resample, so its interval is [0, 0] (S as well; resamples with pass@1 = 1 are left out).
     sft_row = next(line for line in lines if line.startswith("| synthetic | sft |"))
