@@ -177,6 +177,8 @@ def main(argv=None):
     # -------------------------------------------------------------------------
     # Resume: model, optimizers, step, data position and RNG from the latest checkpoint in --out
     start_step, data_position, train_seconds, train_tokens = 0, (0, 0), 0.0, 0
+    curve = {"step": [], "loss": []}  # training history for the report's plots
+    val_curve = {"step": [], "bpb": []}
     if args.resume and has_checkpoint(args.out):
         model_state, meta, extra = load_checkpoint(args.out, device=device)
         if meta.get("finished"):
@@ -192,6 +194,7 @@ def main(argv=None):
             optimizer.load_state_dict(state)
         start_step, data_position = meta["step"], extra["data_positions"][rank]
         train_seconds, train_tokens = extra["train_seconds"], extra["train_tokens"]
+        curve, val_curve = extra["curve"], extra["val_curve"]
         torch.set_rng_state(extra["rng_cpu"].cpu())
         if device.type == "cuda":
             torch.cuda.set_rng_state(extra["rng_cuda"].cpu(), device)
@@ -240,7 +243,8 @@ def main(argv=None):
         meta = {"stage": "base", "finished": finished, "num_iterations": num_iterations,
                 "total_batch_size": args.total_batch_size, "val_bpb": val_bpb, "args": vars(args)}
         extra = {"optimizers": [o.state_dict() for o in optimizers], "data_positions": positions,
-                 "train_seconds": train_seconds, "train_tokens": train_tokens, "rng_cpu": torch.get_rng_state()}
+                 "train_seconds": train_seconds, "train_tokens": train_tokens, "rng_cpu": torch.get_rng_state(),
+                 "curve": curve, "val_curve": val_curve}
         if device.type == "cuda":
             extra["rng_cuda"] = torch.cuda.get_rng_state(device)
         path = save_checkpoint(args.out, step, orig_model, meta, tokenizer=tokenizer, extra=extra)
@@ -256,6 +260,8 @@ def main(argv=None):
             val_bpb = evaluate_bpb(orig_model, val_batches, token_bytes, device)
             orig_model.train()
             print0(f"step {step:05d}/{num_iterations:05d} | val bpb {val_bpb:.4f}")
+            val_curve["step"].append(step)
+            val_curve["bpb"].append(val_bpb)
             logger.log({"val/bpb": val_bpb}, step)
         if master and args.sample_every and step > 0 and (step % args.sample_every == 0 or last_step):
             orig_model.eval()
@@ -307,6 +313,9 @@ def main(argv=None):
             train_tokens += args.total_batch_size
         tokens_per_sec = args.total_batch_size / dt
         mfu = flops_per_token * tokens_per_sec / (peak * world_size) if peak else None
+        if step % max(num_iterations // 200, 1) == 0 or step == num_iterations - 1:  # ~200 points for the plot
+            curve["step"].append(step + 1)
+            curve["loss"].append(loss_value)
         if step % args.log_every == 0 or step == num_iterations - 1:
             seconds_per_step = train_seconds * args.total_batch_size / train_tokens if train_tokens else dt
             eta = format_eta((num_iterations - step - 1) * seconds_per_step)
@@ -324,7 +333,7 @@ def main(argv=None):
     record = {"stage": "pretrain", "preset": args.preset, "depth": args.depth, "params": num_params,
               "steps": num_iterations, "tokens": total_tokens, "val_bpb": val_bpb, "train_loss": loss_value,
               "seconds": train_seconds, "tokens_per_sec": average_tps, "world_size": world_size,
-              "device": str(device.type)}
+              "device": str(device.type), "curve": curve, "val": val_curve}
     if peak and average_tps:
         record["mfu"] = flops_per_token * average_tps / (peak * world_size)
     if device.type == "cuda":

@@ -376,7 +376,7 @@ def main():
         theirs = bytes_per_token(reference.encode_ordinary_batch, val_texts)
         print(f"  {name:12s} vocab {reference.n_vocab:6d}: {theirs:.3f} bytes/token (ours {ours / theirs - 1:+.1%})")
     common.append_report({"stage": "tokenizer", "preset": args.preset, "vocab_size": tokenizer.vocab_size,
-                          "train_seconds": train_seconds, "val_bytes_per_token": ours})
+                          "seconds": train_seconds, "val_bytes_per_token": ours})
 
 
 if __name__ == "__main__":
