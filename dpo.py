@@ -20,6 +20,7 @@ import random
 import time
 from collections import Counter
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -44,12 +45,15 @@ STAT_NAMES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "
 # micro-batch. --pairs self-generated --task gsm8k instead samples 8 answers to each of the 7.5k GSM8K train problems
 # (the generation dominates: ~10 min) and keeps one correct/incorrect pair per problem that has both.
 PRESETS = {
-    "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=2048, eval_pairs=256, samples=8,
-                 temperature=1.0, beta=0.1, lr_frac=0.1, batch_size=32, device_batch_size=16, epochs=1,
-                 eval_every=10, check_problems=256, check_samples=4, max_new_tokens=64, save_every=0),
+    # Measured on the tiny pipeline: self-generated pairs raise held-out accuracy, the static synthetic pairs lower it
+    # (off-policy mistakes the model does not make); without --sft-weight the chosen log-probs drift down and the
+    # final '#### <answer>' line degenerates. The rate is gentle on purpose, so that RL still has headroom.
+    "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=1024, eval_pairs=256, samples=8,
+                 temperature=1.0, beta=0.1, sft_weight=1.0, lr_frac=0.03, batch_size=32, device_batch_size=16,
+                 epochs=1, eval_every=5, check_problems=256, check_samples=4, max_new_tokens=64, save_every=0),
     "full": dict(pairs="ultrafeedback", task="gsm8k", train_pairs=None, eval_pairs=1000, samples=8,
-                 temperature=1.0, beta=0.1, lr_frac=0.01, batch_size=256, device_batch_size=32, epochs=1,
-                 eval_every=50, check_problems=500, check_samples=1, max_new_tokens=512, save_every=100),
+                 temperature=1.0, beta=0.1, sft_weight=0.0, lr_frac=0.01, batch_size=256, device_batch_size=32,
+                 epochs=1, eval_every=50, check_problems=500, check_samples=1, max_new_tokens=512, save_every=100),
 }
 # The learning rates of pretraining (model.setup_optimizers), scaled by --lr-frac.
 MATRIX_LR, EMBEDDING_LR, UNEMBEDDING_LR = 0.02, 0.2, 0.004
@@ -272,32 +276,35 @@ def task_accuracy(model, tokenizer, args, device):
 
 def build_pairs(args, model, tokenizer, split, max_seq_len):
     """
-    This rank's share of the --pairs preference pairs of `split`, as ((ids, mask), (ids, mask)), and counts of what
-    happened to the rows of all ranks (pairs kept, rows skipped as malformed or too long, prompts without a pair).
+    This rank's share of the --pairs preference pairs of `split`, as ((ids, mask), (ids, mask)); counts of what
+    happened to the rows of all ranks (pairs kept, rows skipped as malformed or too long, prompts without a pair);
+    and the number of pairs each rank holds.
     """
     _, rank, _, world_size = common.get_dist_info()
     size = args.train_pairs if split == "train" else args.eval_pairs
     if args.pairs == "self-generated":
         task = eval_task(args.task, split, size, args.seed)
+        indices = list(range(rank, len(task), world_size))
         with autocast_ctx(model.lm_head.weight.device):
-            pairs, counts = self_generated_pairs(Engine(model, tokenizer), task, list(range(rank, len(task), world_size)),
+            pairs, counts = self_generated_pairs(Engine(model, tokenizer), task, indices,
                                                  args.samples, args.max_new_tokens, args.temperature,
                                                  seed=args.seed + 1_000_003 * rank)
         fits = [max(len(chosen[0]), len(rejected[0])) <= max_seq_len for chosen, rejected in pairs]
         counts["too long"] = fits.count(False)
+        counts["paired"] -= counts["too long"]
         pairs = [pair for pair, fit in zip(pairs, fits) if fit]
     else:
         mixture = preference_mixture(args.pairs, split, size, args.seed)
         print0(f"{split} mixture:\n{mixture.summary()}")
-        pairs, skipped = prepare_rows(mixture, lambda pair: render_pair(tokenizer, pair, max_seq_len),
+        pairs, skipped = prepare_rows(mixture, partial(render_pair, tokenizer, max_seq_len=max_seq_len),
                                       range(rank, len(mixture), world_size))
         counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
         counts["paired"] = len(pairs)
+    shares = [(counts, len(pairs))]
     if dist.is_initialized():
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, counts)
-        counts = sum(gathered, Counter())
-    return pairs, counts
+        shares = [None] * world_size
+        dist.all_gather_object(shares, (counts, len(pairs)))
+    return pairs, sum((s[0] for s in shares), Counter()), [s[1] for s in shares]
 
 
 def main(argv=None):
@@ -324,7 +331,7 @@ def main(argv=None):
     parser.add_argument("--label-smoothing", type=float, default=0.0,
                         help="assumed fraction of flipped labels (sigmoid: cDPO, robust: rDPO)")
     parser.add_argument("--gamma", type=float, default=0.5, help="SimPO target margin")
-    parser.add_argument("--sft-weight", type=float, default=0.0, help="weight of the NLL of chosen answers (RPO)")
+    parser.add_argument("--sft-weight", type=float, help="weight of the NLL of chosen answers (RPO; 0: plain DPO)")
     parser.add_argument("--live-reference", action="store_true",
                         help="keep a frozen reference model and run it every step instead of precomputing")
     parser.add_argument("--epochs", type=int, help="passes over the training pairs")
@@ -333,7 +340,8 @@ def main(argv=None):
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="longest side of a pair, in tokens; longer pairs are skipped (default: the model's "
                              "sequence_len)")
-    parser.add_argument("--lr-frac", type=float, help="learning rates as a fraction of pretraining's; decays linearly to 0")
+    parser.add_argument("--lr-frac", type=float,
+                        help="learning rates as a fraction of pretraining's; decays linearly to 0")
     parser.add_argument("--eval-every", type=int, help="held-out preference metrics every this many steps")
     parser.add_argument("--check-problems", type=int, help="held-out problems of --task for the accuracy check")
     parser.add_argument("--check-samples", type=int, help="samples per problem for pass@1 at temperature 1")
@@ -365,8 +373,8 @@ def main(argv=None):
     # Data: each rank builds its own share of the pairs. Everything is deterministic given the SFT model and the
     # seed, so a resumed run rebuilds the same pairs and reference log-probs.
     t0 = time.time()
-    train_pairs, train_counts = build_pairs(args, model, tokenizer, "train", max_seq_len)
-    eval_pairs, eval_counts = build_pairs(args, model, tokenizer, "test", max_seq_len)
+    train_pairs, train_counts, train_shares = build_pairs(args, model, tokenizer, "train", max_seq_len)
+    eval_pairs, eval_counts, eval_shares = build_pairs(args, model, tokenizer, "test", max_seq_len)
     print0(f"pairs: train {dict(train_counts)} | held-out {dict(eval_counts)}")
 
     reference = copy.deepcopy(model).requires_grad_(False) if args.live_reference else None
@@ -380,15 +388,19 @@ def main(argv=None):
         raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --device-batch-size "
                          f"{args.device_batch_size} x {world_size} ranks")
     pairs_per_rank = args.batch_size // world_size
-    min_pairs = torch.tensor(len(train_pairs), device=device)
-    if ddp:
-        dist.all_reduce(min_pairs, op=dist.ReduceOp.MIN)  # every rank must take the same number of steps
-    num_steps = args.epochs * min_pairs.item() // pairs_per_rank
+    min_pairs = min(train_shares)  # every rank must take the same number of steps
+    num_steps = args.epochs * min_pairs // pairs_per_rank
     if num_steps < 1:
-        raise ValueError(f"{min_pairs.item()} training pairs per rank are fewer than one step's {pairs_per_rank}; "
+        raise ValueError(f"{min_pairs} training pairs per rank are fewer than one step's {pairs_per_rank}; "
                          "generate more (--train-pairs, --samples) or lower --batch-size")
-    print0(f"{num_steps} steps of {args.batch_size} pairs over {min_pairs.item() * world_size} pairs, "
-           f"{len(eval_pairs) * world_size} held-out pairs")
+    print0(f"{num_steps} steps of {args.batch_size} pairs ({pairs_per_rank // args.device_batch_size} x "
+           f"{args.device_batch_size} per rank) over {min_pairs * world_size} pairs, {sum(eval_shares)} held-out pairs")
+
+    # The SFT model's scores; its preference margins are all 0 (policy = reference), so its accuracy is 0.
+    before = {**task_accuracy(model, tokenizer, args, device),
+              **evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device)}
+    print0(f"before: held-out {args.task} pass@1 greedy {before['pass@1']:.1%}, T=1 {before['pass@1_t1']:.1%} | "
+           f"pref loss {before['loss']:.4f}, accuracy {before['rewards/accuracy']:.1%}")
 
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
@@ -400,13 +412,11 @@ def main(argv=None):
             optimizer.load_state_dict(optimizer_state)
         start_step = extra["step"]
         print0(f"resuming from step {start_step}")
-    policy = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp else model
+    policy = model
+    if ddp:
+        policy = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     logger = common.Logger(args.run, vars(args))
 
-    before = {**task_accuracy(model, tokenizer, args, device),
-              **evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device)}
-    print0(f"before: held-out {args.task} pass@1 greedy {before['pass@1']:.1%}, T=1 {before['pass@1_t1']:.1%} | "
-           f"pref loss {before['loss']:.4f}, accuracy {before['rewards/accuracy']:.1%}")
     micro_steps = pairs_per_rank // args.device_batch_size
     t0 = time.time()
     for step in range(start_step, num_steps):
@@ -435,8 +445,9 @@ def main(argv=None):
             optimizer.step()
         model.zero_grad(set_to_none=True)
         log = {f"train/{name}": value for name, value in mean_stats(dict(sums), pairs_per_rank, device).items()}
-        line = f"step {step + 1:4d}/{num_steps} | loss {log['train/loss']:.4f} | margin {log['train/rewards/margins']:+.3f}"
-        line += f" | acc {log['train/rewards/accuracy']:.0%} | logp w/l {log['train/logps/chosen']:.1f}/{log['train/logps/rejected']:.1f}"
+        line = (f"step {step + 1:4d}/{num_steps} | loss {log['train/loss']:.4f}"
+                f" | margin {log['train/rewards/margins']:+.3f} | acc {log['train/rewards/accuracy']:.0%}"
+                f" | logp chosen {log['train/logps/chosen']:.1f} rejected {log['train/logps/rejected']:.1f}")
         if (step + 1) % args.eval_every == 0 or step + 1 == num_steps:
             held_out = evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device)
             log.update({f"val/{name}": value for name, value in held_out.items()})
@@ -460,8 +471,9 @@ def main(argv=None):
                 "sft_step": sft_meta.get("step")}
         print0(f"saved {common.save_checkpoint(out_dir, num_steps, model, meta, tokenizer=tokenizer)}")
     common.append_report({"stage": "dpo", "preset": args.preset, "pairs": args.pairs, "loss_type": args.loss_type,
-                          "steps": num_steps, "train_pairs": min_pairs.item() * world_size,
-                          **{f"before/{k}": v for k, v in before.items()}, **{f"after/{k}": v for k, v in after.items()},
+                          "steps": num_steps, "train_pairs": min_pairs * world_size,
+                          **{f"before/{k}": v for k, v in before.items()},
+                          **{f"after/{k}": v for k, v in after.items()},
                           "pairs_train": dict(train_counts), "pairs_held_out": dict(eval_counts)})
     compute_cleanup()
 

@@ -3,7 +3,7 @@ Supervised fine-tuning: teach the base model the chat format, to answer and to s
 
     python sft.py --preset tiny                     # CPU, minutes: synthetic conversations with calculator calls
     torchrun --nproc_per_node=8 sft.py              # full: SmolTalk + GSM8K train, ~20-30 min on 8xH100
-    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 sft.py   # and node-rank=1 on the other
+    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 sft.py   # node-rank=1 on the other
 
 Each conversation is rendered with Tokenizer.render_conversation; the loss is the cross-entropy of the tokens
 whose mask is 1 (assistant text, tool calls, <|assistant_end|>), nothing else. Conversations are batched whole and
@@ -17,6 +17,7 @@ import argparse
 import time
 from collections import Counter
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -184,7 +185,8 @@ def main(argv=None):
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="longest conversation trained on, in tokens; longer ones are skipped (default: the "
                              "model's sequence_len)")
-    parser.add_argument("--lr-frac", type=float, help="learning rates as a fraction of pretraining's; decays linearly to 0")
+    parser.add_argument("--lr-frac", type=float,
+                        help="learning rates as a fraction of pretraining's; decays linearly to 0")
     parser.add_argument("--eval-every", type=int, help="held-out loss every this many steps")
     parser.add_argument("--eval-rows", type=int, help="held-out conversations for the loss")
     parser.add_argument("--check-problems", type=int, help="held-out synthetic problems for the generation check")
@@ -216,30 +218,30 @@ def main(argv=None):
     train_mix = sft_mixture(args.preset, "train", args.train_rows, seed=args.seed)
     val_mix = sft_mixture(args.preset, "test", args.eval_rows, seed=args.seed)
     print0(f"train mixture:\n{train_mix.summary()}\nheld-out mixture:\n{val_mix.summary()}")
-    render = lambda conversation: render_for_sft(tokenizer, conversation, max_seq_len)  # noqa: E731
+    render = partial(render_for_sft, tokenizer, max_seq_len=max_seq_len)
     train_rows, skipped = prepare_rows(train_mix, render, range(rank, len(train_mix), world_size))
     val_rows, val_skipped = prepare_rows(val_mix, render, range(rank, len(val_mix), world_size))
+    shares = [(skipped, val_skipped, len(train_rows), len(val_rows))]  # what each rank prepared
     if ddp:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, (skipped, val_skipped))
-        skipped, val_skipped = sum((g[0] for g in gathered), Counter()), sum((g[1] for g in gathered), Counter())
+        shares = [None] * world_size
+        dist.all_gather_object(shares, (skipped, val_skipped, len(train_rows), len(val_rows)))
+    skipped, val_skipped = sum((s[0] for s in shares), Counter()), sum((s[1] for s in shares), Counter())
     for (name, reason), count in sorted(skipped.items()) + sorted(val_skipped.items()):
         print0(f"skipped {count:,} {reason} rows of {name}")
-    rows_per_rank = args.batch_size // world_size
     if args.batch_size % (args.device_batch_size * world_size):
         raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --device-batch-size "
                          f"{args.device_batch_size} x {world_size} ranks")
-    min_rows = torch.tensor(len(train_rows), device=device)
-    if ddp:
-        dist.all_reduce(min_rows, op=dist.ReduceOp.MIN)  # every rank must take the same number of steps
-    num_steps = args.num_steps or min_rows.item() // rows_per_rank
+    rows_per_rank = args.batch_size // world_size
+    min_rows = min(s[2] for s in shares)  # every rank must take the same number of steps
+    num_steps = args.num_steps or min_rows // rows_per_rank
     if num_steps < 1:
-        raise ValueError(f"{min_rows.item()} training rows per rank are fewer than one step's {rows_per_rank}")
+        raise ValueError(f"{min_rows} training rows per rank are fewer than one step's {rows_per_rank}")
     val_batches = [collate(val_rows[i:i + args.device_batch_size], tokenizer.bos_id)
                    for i in range(0, len(val_rows), args.device_batch_size)]
-    print0(f"{num_steps} steps of {args.batch_size} conversations ({args.batch_size // (args.device_batch_size * world_size)}"
-           f" micro-batches of {args.device_batch_size} per rank), {len(val_rows) * world_size} held-out conversations")
+    print0(f"{num_steps} steps of {args.batch_size} conversations ({rows_per_rank // args.device_batch_size} x "
+           f"{args.device_batch_size} per rank), {sum(s[3] for s in shares)} held-out conversations")
 
+    before = {"val_loss": evaluate_loss(model, val_batches, device)}  # the base model's
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
     start_step = 0
@@ -250,37 +252,40 @@ def main(argv=None):
             optimizer.load_state_dict(optimizer_state)
         start_step = extra["step"]
         print0(f"resuming from step {start_step}")
-    train_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp else model
+    train_model = model
+    if ddp:
+        train_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     logger = common.Logger(args.run, vars(args))
 
-    before = {"val_loss": evaluate_loss(model, val_batches, device)}
-    print0(f"step {start_step:5d}/{num_steps} | val loss {before['val_loss']:.4f}")
+    print0(f"step {start_step:5d}/{num_steps} | val loss {before['val_loss']:.4f} (base model)")
     train_loss, t0, tokens_seen = float("nan"), time.time(), 0
     for step in range(start_step, num_steps):
         lr_multiplier = 1.0 - step / num_steps  # linear decay to 0
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * lr_multiplier
-        micro = micro_batches_of(train_rows, step * rows_per_rank, rows_per_rank, args.device_batch_size, tokenizer.bos_id)
+        micro = micro_batches_of(train_rows, step * rows_per_rank, rows_per_rank, args.device_batch_size,
+                                 tokenizer.bos_id)
         train_loss, num_targets, num_tokens = backward_sft_loss(train_model, micro, device)
         for optimizer in optimizers:
             optimizer.step()
         model.zero_grad(set_to_none=True)
         tokens_seen += num_tokens
         elapsed = time.time() - t0
-        done = step + 1 - start_step
+        eta = format_eta(elapsed / (step + 1 - start_step) * (num_steps - step - 1))
         log = {"train/loss": train_loss, "train/targets": num_targets, "lr_multiplier": lr_multiplier}
         if (step + 1) % args.eval_every == 0 or step + 1 == num_steps:
             log["val/loss"] = evaluate_loss(model, val_batches, device)
         print0(f"step {step + 1:5d}/{num_steps} | loss {train_loss:.4f}"
                + (f" | val loss {log['val/loss']:.4f}" if "val/loss" in log else "")
-               + f" | {tokens_seen / elapsed:,.0f} tok/s (padded) | eta {format_eta(elapsed / done * (num_steps - step - 1))}")
+               + f" | {tokens_seen / elapsed:,.0f} tok/s (padded) | eta {eta}")
         logger.log(log, step + 1)
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps and rank == 0:
             common.save_checkpoint(out_dir, step + 1, model, {"stage": "sft", "finished": False}, tokenizer=tokenizer,
                                    extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers]})
 
-    final = {"val_loss": evaluate_loss(model, val_batches, device), **generation_metrics(model, tokenizer, args, device)}
+    final = {"val_loss": evaluate_loss(model, val_batches, device),
+             **generation_metrics(model, tokenizer, args, device)}
     print0(f"held-out loss {before['val_loss']:.4f} -> {final['val_loss']:.4f} | format {final['format_rate']:.1%} | "
            f"stop {final['stop_rate']:.1%} | pass@1 greedy {final['pass@1']:.1%} | pass@1 T=1 {final['pass@1_t1']:.1%}")
     logger.log({f"final/{k}": v for k, v in final.items()}, num_steps)

@@ -62,7 +62,11 @@ fi
 "${LAUNCH[@]}" sft.py "${STAGE_FLAGS[@]}"
 "${LAUNCH[@]}" dpo.py "${STAGE_FLAGS[@]}"
 "${LAUNCH[@]}" rl.py "${STAGE_FLAGS[@]}"
-"${LAUNCH[@]}" eval.py --preset "$PRESET" --stage all
-python eval.py --report-only
+# Every checkpoint on its held-out tasks, then the coverage view: does RL's pass@1 gain cost pass@k?
+for STAGE in base sft dpo rl; do
+  "${LAUNCH[@]}" eval.py --preset "$PRESET" --stage "$STAGE"
+done
+COVERAGE_TASK=$([ "$PRESET" = full ] && echo gsm8k || echo synthetic)
+"${LAUNCH[@]}" eval.py --preset "$PRESET" --compare sft rl --num-samples 8 --k 1,8 --tasks "$COVERAGE_TASK"
 echo "speedrun: done. Report card: $NANOPOST_HOME/report.md"
 echo "speedrun: chat with the result: python engine.py --ckpt $NANOPOST_HOME/checkpoints/rl"

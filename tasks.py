@@ -487,7 +487,8 @@ class SyntheticPreferences:
     def __getitem__(self, i):
         chosen = self.task[i]
         rng = random.Random(f"mistake-{self.seed}-{i}")
-        rejected = chosen["messages"][:-1] + [{"role": "assistant", "content": mistaken_answer(self.task.problems[i], rng)}]
+        mistaken = {"role": "assistant", "content": mistaken_answer(self.task.problems[i], rng)}
+        rejected = chosen["messages"][:-1] + [mistaken]
         return {**preference_pair(chosen["messages"], rejected), "answer": chosen["answer"]}
 
 

@@ -26,7 +26,8 @@ def tokenizer():
 
 def make_model(tokenizer, seed=0):
     torch.manual_seed(seed)
-    return GPT(GPTConfig(sequence_len=128, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64))
+    config = GPTConfig(sequence_len=128, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    return GPT(config)
 
 
 def softplus(x):
@@ -138,7 +139,8 @@ def test_render_pair_scores_the_final_answer_only(tokenizer):
     assert chosen_ids == full_ids
     assert sum(full_mask[:len(prompt)]) > 0  # the first answer is trained by SFT ...
     assert chosen_mask == [0] * len(prompt) + full_mask[len(prompt):]  # ... but is prompt for DPO
-    assert tokenizer.decode([t for t, m in zip(rejected_ids, rejected_mask) if m]) == "The answer is 9.<|assistant_end|>"
+    scored = tokenizer.decode([t for t, m in zip(rejected_ids, rejected_mask) if m])
+    assert scored == "The answer is 9.<|assistant_end|>"
 
     other = tasks.preference_pair(pair["chosen"]["messages"], pair["rejected"]["messages"])
     other["rejected"]["messages"][1] = {"role": "user", "content": "What is 2 + 4?"}
@@ -234,7 +236,8 @@ def test_self_generated_pairs_are_engine_tokens_one_correct_one_incorrect(tokeni
     prompts = [tokenizer.render_for_completion(task[i]) for i in indices]
     samples = []
     for start in range(0, len(prompts), 5):
-        samples += engine.generate(prompts[start:start + 5], num_samples=4, max_tokens=6, temperature=1.0, seed=5 + start)
+        samples += engine.generate(prompts[start:start + 5], num_samples=4, max_tokens=6, temperature=1.0,
+                                   seed=5 + start)
     for (chosen, rejected) in pairs:
         i = next(i for i, p in enumerate(prompts) if chosen[0][:len(p)] == p and rejected[0][:len(p)] == p)
         prompt = prompts[i]
@@ -259,7 +262,8 @@ def test_self_generated_pairs_count_a_crashing_verifier_as_incorrect(tokenizer):
 
 def test_malformed_preference_rows_are_skipped_and_counted(tokenizer, tmp_path):
     user = {"role": "user", "content": "What is 2 + 3?"}
-    good = {"chosen": [user, {"role": "assistant", "content": "5"}], "rejected": [user, {"role": "assistant", "content": "6"}]}
+    good = {"chosen": [user, {"role": "assistant", "content": "5"}],
+            "rejected": [user, {"role": "assistant", "content": "6"}]}
     rows = [
         good,
         {"chosen": good["chosen"], "rejected": [{"role": "user", "content": "Other?"}, good["rejected"][1]]},
@@ -276,16 +280,21 @@ def test_malformed_preference_rows_are_skipped_and_counted(tokenizer, tmp_path):
     assert skipped == {("ultrafeedback", "malformed"): 4, ("ultrafeedback", "too long"): 1}
 
 
+def answer_text(message):
+    """The text parts of an assistant message: what a verifier reads (tool calls and outputs left out)."""
+    return "".join(p["text"] for p in message["content"] if p["type"] == "text")
+
+
 def test_synthetic_rejected_answers_are_all_wrong():
     preferences = tasks.SyntheticPreferences("train", size=200, seed=2)
     task = preferences.task
     kinds = set()
     for i in range(len(preferences)):
         pair = preferences[i]
-        text = lambda side: "".join(p["text"] for p in pair[side]["messages"][-1]["content"] if p["type"] == "text")  # noqa: E731
-        assert task.reward(task[i], text("chosen")) == 1.0
-        assert task.reward(task[i], text("rejected")) == 0.0
-        kinds.add(tasks.extract_final_answer(text("rejected")) is None)
+        chosen, rejected = (answer_text(pair[side]["messages"][-1]) for side in ("chosen", "rejected"))
+        assert task.reward(task[i], chosen) == 1.0
+        assert task.reward(task[i], rejected) == 0.0
+        kinds.add(tasks.extract_final_answer(rejected) is None)
     assert kinds == {True, False}  # both format mistakes and wrong numbers
 
 
@@ -293,12 +302,12 @@ def test_synthetic_rejected_answers_are_all_wrong():
 # End to end
 
 
-DPO_ARGS = ["--device", "cpu", "--pairs", "synthetic", "--train-pairs", "32", "--eval-pairs", "16", "--batch-size", "16",
-            "--device-batch-size", "8", "--epochs", "2", "--lr-frac", "0.3", "--check-problems", "4",
-            "--check-samples", "1", "--max-new-tokens", "8", "--eval-every", "2"]
+DPO_ARGS = ["--device", "cpu", "--pairs", "synthetic", "--train-pairs", "32", "--eval-pairs", "16",
+            "--batch-size", "16", "--device-batch-size", "8", "--epochs", "2", "--lr-frac", "0.3",
+            "--check-problems", "4", "--check-samples", "1", "--max-new-tokens", "8", "--eval-every", "2",
+            "--sft-weight", "0"]
 
 
-@pytest.mark.slow
 def test_main_tiny_improves_held_out_preferences_and_live_reference_agrees(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     common.save_checkpoint(tmp_path / "checkpoints" / "sft", 1, make_model(tokenizer), {"stage": "sft"},

@@ -30,7 +30,8 @@ def make_tokenizer():
 def make_model(tokenizer, seed=0):
     # PyTorch's default init (not init_weights): every block is non-trivial, so the test sees real attention.
     torch.manual_seed(seed)
-    return GPT(GPTConfig(sequence_len=128, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64))
+    config = GPTConfig(sequence_len=128, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    return GPT(config)
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +169,8 @@ def ddp_check(out_path):
     model = make_model(tokenizer)
     # Rank 0 takes rows 0-3 in micro-batches of 1 and 3; rank 1 takes rows 4-5 in one micro-batch.
     mine = [rows[0:1], rows[1:4]] if rank == 0 else [rows[4:6]]
-    loss, count, _ = sft.backward_sft_loss(DistributedDataParallel(model), [tasks.collate(r, tokenizer.bos_id) for r in mine],
-                                           device)
+    micro = [tasks.collate(r, tokenizer.bos_id) for r in mine]
+    loss, count, _ = sft.backward_sft_loss(DistributedDataParallel(model), micro, device)
     if rank == 0:
         torch.save({"loss": loss, "count": count, "grad": gradients(model)}, out_path)
     dist.barrier()
