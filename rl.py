@@ -55,7 +55,7 @@ from eval import completion_text, evaluate_generative
 from tasks import GSM8K, SyntheticTask, collate, safe_reward
 
 PRESETS = {
-    # Synthetic arithmetic on 2 CPU cores from the tiny DPO checkpoint, ~6 minutes. lr_frac: started from a weak
+    # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
     # SFT model (7% pass@1), 0.3 collapsed the policy within 30 steps and 0.1 learned too slowly to show in 40.
     "tiny": dict(task="synthetic", train_size=5000, num_steps=50, prompts_per_step=16, group_size=8, max_tokens=48,
                  device_batch_size=64, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128, eval_samples=8,
@@ -123,7 +123,7 @@ def aggregate(values, mask, agg, max_len=None, count=None):
     Reduce per-token values (B, T) over the tokens where mask (B, T) is 1 (verl's loss_agg_mode names):
 
         token-mean               sum_{i,t} m v / N_tokens                     (DAPO: every token weighs the same)
-        seq-mean-token-mean      sum_i [sum_t m v / sum_t m] / N_seqs         (GRPO: each sequence's mean, then the mean)
+        seq-mean-token-mean      sum_i [sum_t m v / sum_t m] / N_seqs         (GRPO: the mean of sequence means)
         seq-mean-token-sum-norm  sum_i [sum_t m v / max_len] / N_seqs         (Dr. GRPO: a constant length normaliser)
 
     N_tokens (valid tokens) or N_seqs (sequences with at least one valid token) is `count`, default this batch's own.
@@ -412,58 +412,60 @@ def load_task(name, split, size):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="fills the defaults below; explicit flags win")
-    parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds prompt draws and sampling")
-    parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no wandb)")
-    parser.add_argument("--ckpt", default=None, help="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/dpo)")
-    parser.add_argument("--out", default=None, help="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out; exit if it is finished")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--preset", choices=sorted(PRESETS), default="tiny", help="fills the defaults below; explicit flags win")
+    add("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
+    add("--seed", type=int, default=0, help="seeds prompt draws and sampling")
+    add("--run", default="dummy", help="wandb run name ('dummy': no wandb)")
+    add("--ckpt", default=None, help="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/dpo)")
+    add("--out", default=None, help="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)")
+    add("--resume", action="store_true", help="continue from the latest checkpoint in --out; exit if it is finished")
     # data and rollouts
-    parser.add_argument("--task", choices=["synthetic", "gsm8k"], help="training prompts and verifier; the held-out split is evaluated")
-    parser.add_argument("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
-    parser.add_argument("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
-    parser.add_argument("--prompts-per-step", type=int, help="groups per step, over all ranks (divisible by the world size)")
-    parser.add_argument("--group-size", type=int, help="completions sampled per prompt (G)")
-    parser.add_argument("--max-tokens", type=int, help="generation budget per completion, forced tool output included")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; the learner scores at the same one")
-    parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1, no cut)")
-    parser.add_argument("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
-                        help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
-    parser.add_argument("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
-    parser.add_argument("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
-    parser.add_argument("--overlong-buffer", type=int, default=0,
-                        help="DAPO soft overlong penalty over the last N tokens of the budget (0: off)")
+    add("--task", choices=["synthetic", "gsm8k"], help="training prompts and verifier; its held-out split is evaluated")
+    add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
+    add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
+    add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
+    add("--group-size", type=int, help="completions sampled per prompt (G)")
+    add("--max-tokens", type=int, help="generation budget per completion, forced tool output included")
+    add("--temperature", type=float, default=1.0, help="sampling temperature; the learner scores at the same one")
+    add("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
+    add("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1, no cut)")
+    add("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
+        help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
+    add("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
+    add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
+    add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
     # advantages and loss
-    parser.add_argument("--adv-scale", choices=["std", "none"], default="std", help="std: GRPO; none: Dr. GRPO")
-    parser.add_argument("--adv-baseline", choices=["mean", "loo"], default="mean", help="mean: GRPO; loo: RLOO leave-one-out")
-    parser.add_argument("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see policy_loss)")
-    parser.add_argument("--eps-low", type=float, default=0.2, help="lower clip: ratio >= 1 - eps_low")
-    parser.add_argument("--eps-high", type=float, default=0.28, help="upper clip: ratio <= 1 + eps_high (clip-higher)")
-    parser.add_argument("--dual-clip", type=float, default=None, help="cap the loss of negative-advantage tokens at -c A (e.g. 3)")
-    parser.add_argument("--loss-agg", choices=AGGREGATIONS, default="token-mean", help="how token losses are averaged")
-    parser.add_argument("--kl-coef", type=float, default=0.0, help="KL(pi || pi_ref) penalty weight; 0 loads no reference model")
-    parser.add_argument("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see kl_penalty)")
-    parser.add_argument("--mismatch", choices=["none", "tis", "mask"], default="tis",
-                        help="engine/trainer log-prob mismatch correction (see mismatch_weights)")
-    parser.add_argument("--tis-cap", type=float, default=2.0, help="truncation of the importance weight for --mismatch tis")
-    parser.add_argument("--mask-window", type=float, nargs=2, default=(0.5, 2.0), metavar=("LOW", "HIGH"),
-                        help="tokens whose trainer/engine probability ratio leaves [LOW, HIGH] are dropped (--mismatch mask)")
+    add("--adv-scale", choices=["std", "none"], default="std", help="std: GRPO; none: Dr. GRPO")
+    add("--adv-baseline", choices=["mean", "loo"], default="mean", help="mean: GRPO; loo: RLOO leave-one-out")
+    add("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see policy_loss)")
+    add("--eps-low", type=float, default=0.2, help="lower clip: ratio >= 1 - eps_low")
+    add("--eps-high", type=float, default=0.28, help="upper clip: ratio <= 1 + eps_high (clip-higher)")
+    add("--dual-clip", type=float, default=None, help="cap the loss of negative-advantage tokens at -c A (e.g. 3)")
+    add("--loss-agg", choices=AGGREGATIONS, default="token-mean", help="how token losses are averaged")
+    add("--kl-coef", type=float, default=0.0, help="KL(pi || pi_ref) penalty weight; 0 loads no reference model")
+    add("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see kl_penalty)")
+    add("--mismatch", choices=["none", "tis", "mask"], default="tis",
+        help="engine/trainer log-prob mismatch correction (see mismatch_weights)")
+    add("--tis-cap", type=float, default=2.0, help="truncation of the importance weight (--mismatch tis)")
+    add("--mask-window", type=float, nargs=2, default=(0.5, 2.0), metavar=("LOW", "HIGH"),
+        help="drop tokens whose trainer/engine probability ratio leaves [LOW, HIGH] (--mismatch mask)")
     # optimization
-    parser.add_argument("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
-    parser.add_argument("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
-    parser.add_argument("--device-batch-size", type=int, help="sequences per forward/backward")
-    parser.add_argument("--lr-frac", type=float, help="learning rates as a fraction of pretraining's (Muon + AdamW)")
-    parser.add_argument("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    add("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
+    add("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
+    add("--device-batch-size", type=int, help="sequences per forward/backward")
+    add("--lr-frac", type=float, help="learning rates as a fraction of pretraining's (Muon + AdamW)")
+    add("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
+    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
     # evaluation and saving
-    parser.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (and at the start and the end)")
-    parser.add_argument("--eval-problems", type=int, help="held-out problems evaluated")
-    parser.add_argument("--eval-samples", type=int, help="samples per held-out problem: pass@1 and pass@N")
-    parser.add_argument("--eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
-    parser.add_argument("--save-every", type=int, help="checkpoint every N steps, for --resume")
+    add("--eval-every", type=int, help="held-out evaluation every N steps (and at the start and the end)")
+    add("--eval-problems", type=int, help="held-out problems evaluated")
+    add("--eval-samples", type=int, help="samples per held-out problem: pass@1 and pass@N")
+    add("--eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
+    add("--save-every", type=int, help="checkpoint every N steps, for --resume")
+    add("--dry-run", action="store_true", help="build the model, optimizers and data, print the plan and stop")
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
@@ -505,6 +507,16 @@ def main(argv=None):
 
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    longest_prompt = max(len(tokenizer.render_for_completion(train_task[i])) for i in range(min(64, len(train_task))))
+    print0(f"plan: {args.num_steps} steps; each samples {args.prompts_per_step} x {args.group_size} completions of <= {args.max_tokens} tokens per round "
+           f"(<= {args.max_sampling_rounds} rounds), then {args.epochs} epoch(s) x {args.minibatches} minibatch(es) of "
+           f"optimizer steps; loss {args.loss} ({args.loss_agg}), advantages {args.adv_scale}/{args.adv_baseline}, "
+           f"KL {args.kl_coef}, mismatch {args.mismatch}; prompts up to {longest_prompt} + {args.max_tokens} tokens "
+           f"(model context {model.config.sequence_len})")
+    if args.dry_run:
+        print0("dry run: model, optimizers and data are built; stopping before the first rollout")
+        compute_cleanup()
+        return
     start_step, history = 0, []
     if resume:
         _, _, extra = load_checkpoint(out, device=device)
@@ -518,9 +530,9 @@ def main(argv=None):
                                      ks=(1, args.eval_samples), max_tokens=args.max_tokens,
                                      temperature=args.eval_temperature, top_k=args.top_k, top_p=args.top_p,
                                      seed=mix_seed(args.seed, "eval"))
-        record = {"step": step, "pass@1": result["pass@1"], f"pass@{args.eval_samples}": result[f"pass@{args.eval_samples}"],
-                  "errors": result["errors"]}
-        print0(f"eval step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith("pass")))
+        k = f"pass@{args.eval_samples}"
+        record = {"step": step, "pass@1": result["pass@1"], k: result[k], "errors": result["errors"]}
+        print0(f"eval step {step}: pass@1 {record['pass@1']:.4f}, {k} {record[k]:.4f}")
         return record
 
     logger = Logger(args.run, vars(args))
@@ -603,8 +615,8 @@ def main(argv=None):
                     num_tokens = float(micro["mask"].sum())
                     if ref_model is not None:
                         kl = kl_penalty(logp, micro["ref_logp"], args.kl_kind)  # (B, T)
-                        loss = loss + args.kl_coef * aggregate(kl, micro["mask"], args.loss_agg, max_len=args.max_tokens,
-                                                               count=count)
+                        loss = loss + args.kl_coef * aggregate(kl, micro["mask"], args.loss_agg,
+                                                               max_len=args.max_tokens, count=count)
                         tally["kl_sum"] += float((kl.detach() * micro["mask"]).sum())
                     loss.backward()
                     tally["loss_sum"] += loss.item()  # summed over micro-batches and ranks: the minibatch losses
@@ -627,7 +639,8 @@ def main(argv=None):
 
         # Logs: rollout outcomes of every sampled group (filtered ones included), learner statistics, timings.
         tally = reduce_tally(tally, device)
-        n, tokens, loss_tokens = max(tally["completions"], 1), max(tally["trained_tokens"], 1), max(tally["loss_tokens"], 1)
+        n, tokens = max(tally["completions"], 1), max(tally["trained_tokens"], 1)
+        loss_tokens = max(tally["loss_tokens"], 1)
         reward_mean = tally["reward_sum"] / n
         metrics = {"reward/mean": reward_mean,
                    "reward/std": math.sqrt(max(tally["reward_sq_sum"] / n - reward_mean ** 2, 0.0)),
@@ -643,11 +656,11 @@ def main(argv=None):
                    "policy/clip_high": tally["clip_high_sum"] / loss_tokens,
                    "mismatch/logp_gap_mean": tally["gap_sum"] / tokens, "mismatch/logp_gap_max": tally["gap_max"],
                    "mismatch/corrected_frac": tally["corrected"] / tokens,
-                   "time/rollout_s": t1 - t0, "time/learner_s": t2 - t1,
+                   "optim/steps": optimizer_steps, "time/rollout_s": t1 - t0, "time/learner_s": t2 - t1,
                    "time/rollout_tokens_per_s": tally["length_sum"] / max(t1 - t0, 1e-9)}
         if tally["loss_tokens"]:
-            metrics.update({"policy/ratio_mean": tally["ratio_sum"] / loss_tokens, "policy/ratio_min": tally["ratio_min"],
-                            "policy/ratio_max": tally["ratio_max"], "optim/steps": optimizer_steps})
+            metrics.update({"policy/ratio_mean": tally["ratio_sum"] / loss_tokens,
+                            "policy/ratio_min": tally["ratio_min"], "policy/ratio_max": tally["ratio_max"]})
         if grad_norms:
             metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
         if ref_model is not None:
@@ -658,7 +671,8 @@ def main(argv=None):
         print0(f"step {step + 1}/{args.num_steps} | reward {metrics['reward/mean']:.3f} "
                f"| zero-contrast {metrics['batch/zero_contrast_frac']:.2f} kept {metrics['batch/groups_kept']:.0f} "
                f"| len {metrics['length/mean']:.1f} trunc {metrics['length/truncated_frac']:.2f} "
-               f"| loss {metrics['policy/loss']:+.4f} clip {metrics['policy/clip_low']:.3f}/{metrics['policy/clip_high']:.3f} "
+               f"| loss {metrics['policy/loss']:+.4f} "
+               f"clip {metrics['policy/clip_low']:.3f}/{metrics['policy/clip_high']:.3f} "
                f"| entropy {metrics['policy/entropy']:.3f} | gap {metrics['mismatch/logp_gap_mean']:.1e} "
                f"| rollout {t1 - t0:.1f}s {metrics['time/rollout_tokens_per_s']:.0f} tok/s, learn {t2 - t1:.1f}s "
                f"| ETA {format_eta(eta)}")

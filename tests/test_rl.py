@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """The models here are tiny: one thread beats two (thread hand-offs cost more than the matmuls, on a busy CPU 20x)."""
+    """Tiny models: one thread beats two (thread hand-offs cost more than the matmuls; 20x on a busy CPU)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -146,7 +145,7 @@ def test_ppo_dual_clip_caps_negative_advantages():
     logp = leaf([[math.log(4.0)], [math.log(1.5)], [math.log(4.0)]])
     loss, _ = rl.policy_loss(logp, torch.zeros(3, 1), advantages, torch.ones(3, 1), kind="ppo", dual_clip=3.0)
     loss.backward()
-    # ratio 4 with A = -1: max(4, 1.28) = 4 capped at 3 (no gradient); ratio 1.5: 1.5 < 3 untouched; A > 0: clipped at -1.28
+    # ratio 4, A = -1: max(4, 1.28) = 4, capped at 3 (no gradient); ratio 1.5 is under 3; A > 0: clipped at -1.28
     close(loss, (3 + 1.5 - 1.28) / 3)
     close(logp.grad.squeeze(1), [0, 1.5 / 3, 0])
 
@@ -168,7 +167,7 @@ def test_ppo_equals_pg_on_policy(agg):
 
 
 def test_gspo_and_cispo_gradients_differ_from_ppo():
-    # One sequence, A = +1, token ratios 1.5 and 0.5 (old log-probs -1). Sequence ratio s = exp(mean log r) = sqrt(0.75).
+    # One sequence, A = +1, token ratios 1.5 and 0.5 (old log-probs -1); sequence ratio s = exp(mean log r) = sqrt(0.75)
     old = torch.full((1, 2), -1.0)
     logp_values = [[-1 + math.log(1.5), -1 + math.log(0.5)]]
     advantages, mask = torch.tensor([1.0]), torch.ones(1, 2)
@@ -395,6 +394,13 @@ def test_main_trains_saves_reports_and_resumes(monkeypatch, tmp_path, checkpoint
         torch.testing.assert_close(a, b)
 
 
+def test_dry_run_builds_everything_and_stops(monkeypatch, tmp_path, checkpoint, capsys):
+    out = run_rl(monkeypatch, tmp_path, checkpoint, "--dry-run")
+    text = capsys.readouterr().out
+    assert "plan: 50 steps" in text and "dry run" in text and "eval step" not in text
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("flags", [
     ["--loss", "gspo", "--eps-low", "3e-4", "--eps-high", "4e-4", "--loss-agg", "seq-mean-token-mean"],
     ["--loss", "cispo", "--adv-scale", "none", "--loss-agg", "seq-mean-token-sum-norm", "--mismatch", "mask"],
@@ -406,7 +412,6 @@ def test_main_runs_every_variant(monkeypatch, tmp_path, checkpoint, capsys, flag
     assert "step 1/1" in capsys.readouterr().out
 
 
-@pytest.mark.slow
 def test_rl_raises_the_reward_of_a_random_model(monkeypatch, tmp_path, checkpoint, capsys):
     # The sign check of the whole loop: on LengthParity a random policy earns ~0.75; 15 steps must raise it.
     run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "15", "--eval-every", "15", "--prompts-per-step", "8",

@@ -13,7 +13,8 @@ from engine import Completion
 from tasks import GSM8K, SyntheticTask, canonical_number, exact_match_reward, safe_reward
 from tokenizer import Tokenizer
 
-SPAM = "<|python_start|>6*7<|python_end|><|output_start|>42<|output_end|>"  # a calculator call as completion text shows it
+# A calculator call as the verifier sees it in a completion's text
+SPAM = "<|python_start|>6*7<|python_end|><|output_start|>42<|output_end|>"
 
 
 @pytest.mark.parametrize("completion", [
