@@ -20,6 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# Learning rates of pretraining (nanochat's, tuned at width 768; setup_optimizers rescales the AdamW ones by width).
+# The post-training stages start from them and scale all three by their --lr-frac.
+MATRIX_LR, EMBEDDING_LR, UNEMBEDDING_LR = 0.02, 0.2, 0.004
 LOGIT_SOFTCAP = 15.0  # logits = cap * tanh(z / cap): bounded in (-15, 15), ~identity for small z
 ROTARY_MARGIN = 10  # rotary tables cover sequence_len * 10 positions: generation may run past the training length
 

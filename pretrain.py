@@ -28,7 +28,7 @@ from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute
                     get_base_dir, has_checkpoint, load_checkpoint, print0, save_checkpoint, synchronize)
 from engine import Engine
 from eval import evaluate_bpb
-from model import GPT, GPTConfig
+from model import EMBEDDING_LR, GPT, MATRIX_LR, UNEMBEDDING_LR, GPTConfig
 from tokenizer import Tokenizer
 
 PRESETS = {
@@ -46,9 +46,9 @@ PRESETS = {
                  target_param_data_ratio=15.0, num_iterations=None, eval_every=250, eval_tokens=10 * 524288,
                  sample_every=2000, save_every=2000, log_every=1),
 }
-# Defaults shared by both presets (nanochat's, tuned at width 768; setup_optimizers rescales the AdamW ones by width).
-DEFAULTS = dict(target_param_data_ratio=20.0, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004,
-                weight_decay=0.0, warmup_frac=0.0, warmdown_frac=0.2)
+# Defaults shared by both presets.
+DEFAULTS = dict(target_param_data_ratio=20.0, matrix_lr=MATRIX_LR, embedding_lr=EMBEDDING_LR,
+                unembedding_lr=UNEMBEDDING_LR, weight_decay=0.0, warmup_frac=0.0, warmdown_frac=0.2)
 
 SAMPLE_PROMPTS = {
     "synthetic": ["Question: What is 17 + 25?\nAnswer:", "Question: What is 6 * 7?\nAnswer:",

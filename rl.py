@@ -52,6 +52,7 @@ from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute
                     has_checkpoint, load_checkpoint, load_model, print0, save_checkpoint, synchronize)
 from engine import Engine, sampling_logprobs
 from eval import completion_text, evaluate_generative
+from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
 from tasks import GSM8K, SyntheticTask, collate, safe_reward
 
 PRESETS = {
@@ -65,8 +66,6 @@ PRESETS = {
                  device_batch_size=16, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400, eval_samples=8,
                  save_every=50),
 }
-# The learning rates of pretraining (model.setup_optimizers), scaled by --lr-frac as in sft.py and dpo.py.
-MATRIX_LR, EMBEDDING_LR, UNEMBEDDING_LR = 0.02, 0.2, 0.004
 
 LOGP_FLOOR = -100.0  # log-probs are floored here: a token outside a top-k/top-p support (-inf) must not become NaN
 
