@@ -444,29 +444,22 @@ def mistaken_answer(problem, rng):
     is the calculator's true result, so only the call is wrong), or no '#### <answer>' line at all. The
     verifier scores every one of them 0.
     """
-    answer = problem["answer"]
     mistake = rng.choice(["slip", "format"] if problem["kind"] != "story" else ["slip", "call", "format"])
     if mistake == "format":
-        return [{"type": "text", "text": f"The answer is {answer}."}]
+        return [{"type": "text", "text": f"The answer is {problem['answer']}."}]
+    wrong = _nearby_wrong(problem["answer"], rng)
     if problem["kind"] != "story":
-        wrong = _nearby_wrong(answer, rng)
         worked = problem["plain"].rsplit("=", 1)[0]  # "12 + 30 " of "12 + 30 = 42."
-        return [{"type": "text", "text": f"{worked}= {wrong}.\n#### {wrong}"}]
-    steps = list(problem["steps"])
-    if mistake == "call":  # flip the operator of the second step: adds what was lost (or the reverse)
-        expr, _ = steps[1]
+        mistaken = {**problem, "plain": f"{worked}= {wrong}.", "answer": wrong}
+    elif mistake == "slip":
+        mistaken = {**problem, "answer": wrong}
+    else:  # flip the operator of the second step: adds what was lost (or the reverse)
+        expr, _ = problem["steps"][1]
         left, op, right = next(expr.partition(o) for o in "+-" if o in expr)
         flipped = "-" if op == "+" else "+"
-        steps[1] = (f"{left}{flipped}{right}", OPERATORS[flipped](int(left), int(right)))
-    final = steps[-1][1] if mistake == "call" else _nearby_wrong(answer, rng)
-    parts = [{"type": "text", "text": "First, "}]
-    for i, (expr, value) in enumerate(steps):
-        if i > 0:
-            parts.append({"type": "text", "text": ". Then, "})
-        parts.append({"type": "python", "text": expr})
-        parts.append({"type": "python_output", "text": str(value)})
-    parts.append({"type": "text", "text": f".\n#### {final}"})
-    return parts
+        value = OPERATORS[flipped](int(left), int(right))
+        mistaken = {**problem, "steps": [problem["steps"][0], (f"{left}{flipped}{right}", value)], "answer": value}
+    return synthetic_conversation(mistaken)["messages"][-1]["content"]
 
 
 class SyntheticPreferences:
@@ -514,9 +507,6 @@ class SyntheticCalculatorArithmetic:
                  {"type": "text", "text": f".\n#### {value}"}]
         return {"messages": [{"role": "user", "content": problem["question"]}, {"role": "assistant", "content": parts}],
                 "answer": str(value)}
-
-    def reward(self, conversation, completion):
-        return exact_match_reward(completion, conversation["answer"])
 
 
 class RowTooLong(ValueError):
@@ -629,7 +619,7 @@ def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_siz
 # the full preset's data pipelines run end to end offline (speedrun.sh --dry-run) and in tests.
 
 
-def write_stand_in_data(root, seed=0, documents=12_000, rows=64):
+def write_stand_in_data(root, seed=0, documents=12_000, rows=512):
     """Write stand-in files of every hub dataset the full preset reads under `root`; returns `root`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
