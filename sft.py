@@ -27,21 +27,21 @@ import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine
 from eval import completion_text, evaluate_generative
+from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
                    extract_final_answer, prepare_rows)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, ~20-30 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k conversations,
-# ~200M tokens with padding) plus two of GSM8K train (15k), 64 conversations per rank per micro-batch; about 6 * N *
-# tokens = 7e17 FLOPs, 10-15 min of compute at 40% MFU, the rest padding and the final generation check.
+# ~200M tokens with padding) plus two of GSM8K train (15k); about 6 * N * tokens = 7e17 FLOPs, 10-15 min of compute
+# at 40% MFU, the rest padding and the final generation check. 16 conversations per micro-batch keep the float32
+# logits (16 x 2048 x 65536 x 4 bytes = 8.6 GB) and their gradient well inside 80 GB.
 PRESETS = {
     "tiny": dict(train_rows=4000, batch_size=32, device_batch_size=16, lr_frac=0.5, eval_every=25, eval_rows=256,
-                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=0),
-    "full": dict(train_rows=None, batch_size=512, device_batch_size=64, lr_frac=0.02, eval_every=200, eval_rows=2000,
+                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=25),
+    "full": dict(train_rows=None, batch_size=512, device_batch_size=16, lr_frac=0.02, eval_every=200, eval_rows=2000,
                  check_problems=256, check_samples=4, max_new_tokens=512, save_every=500),
 }
-# The learning rates of pretraining (model.setup_optimizers), scaled by --lr-frac: fine-tuning moves the weights less.
-MATRIX_LR, EMBEDDING_LR, UNEMBEDDING_LR = 0.02, 0.2, 0.004
 
 
 def sft_mixture(preset, split, rows, seed=0):
@@ -193,6 +193,8 @@ def main(argv=None):
     parser.add_argument("--check-samples", type=int, help="samples per problem for pass@1 at temperature 1")
     parser.add_argument("--max-new-tokens", type=int, help="longest answer generated in the check")
     parser.add_argument("--save-every", type=int, help="save a resumable checkpoint every this many steps (0: never)")
+    parser.add_argument("--dry-run", action="store_true", help="build the model, data and optimizers, print the plan "
+                        "and stop before the first forward pass")
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -221,10 +223,11 @@ def main(argv=None):
     render = partial(render_for_sft, tokenizer, max_seq_len=max_seq_len)
     train_rows, skipped = prepare_rows(train_mix, render, range(rank, len(train_mix), world_size))
     val_rows, val_skipped = prepare_rows(val_mix, render, range(rank, len(val_mix), world_size))
-    shares = [(skipped, val_skipped, len(train_rows), len(val_rows))]  # what each rank prepared
+    share = (skipped, val_skipped, len(train_rows), len(val_rows), sum(len(ids) for ids, _ in train_rows))
+    shares = [share]  # what each rank prepared
     if ddp:
         shares = [None] * world_size
-        dist.all_gather_object(shares, (skipped, val_skipped, len(train_rows), len(val_rows)))
+        dist.all_gather_object(shares, share)
     skipped, val_skipped = sum((s[0] for s in shares), Counter()), sum((s[1] for s in shares), Counter())
     for (name, reason), count in sorted(skipped.items()) + sorted(val_skipped.items()):
         print0(f"skipped {count:,} {reason} rows of {name}")
@@ -238,12 +241,18 @@ def main(argv=None):
         raise ValueError(f"{min_rows} training rows per rank are fewer than one step's {rows_per_rank}")
     val_batches = [collate(val_rows[i:i + args.device_batch_size], tokenizer.bos_id)
                    for i in range(0, len(val_rows), args.device_batch_size)]
+    tokens = sum(s[4] for s in shares)  # one pass over the training rows, padding not counted
     print0(f"{num_steps} steps of {args.batch_size} conversations ({rows_per_rank // args.device_batch_size} x "
-           f"{args.device_batch_size} per rank), {sum(s[3] for s in shares)} held-out conversations")
+           f"{args.device_batch_size} per rank), {sum(s[3] for s in shares)} held-out conversations; one pass is "
+           f"{tokens:,} tokens, ~{model.flops_per_token() * tokens:.1e} FLOPs")
 
-    before = {"val_loss": evaluate_loss(model, val_batches, device)}  # the base model's
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    if args.dry_run:
+        print0("dry run: model, data and optimizers are built; stopping before the first forward pass")
+        compute_cleanup()
+        return
+    before = {"val_loss": evaluate_loss(model, val_batches, device)}  # the base model's
     start_step = 0
     if resume_state is not None:
         state, extra = resume_state

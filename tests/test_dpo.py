@@ -324,3 +324,22 @@ def test_main_tiny_improves_held_out_preferences_and_live_reference_agrees(token
     live = common.read_report()[-1]
     for key in ("after/loss", "after/rewards/margins", "after/logps/chosen"):
         assert live[key] == pytest.approx(record[key], rel=1e-3)
+
+
+def test_full_preset_runs_on_stand_in_hub_data(tokenizer, tmp_path, monkeypatch, capsys):
+    # The full preset's data path (UltraFeedback pairs, GSM8K accuracy check) end to end, offline, on files of the
+    # hub schemas.
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    monkeypatch.setenv("NANOPOST_DATA_DIR", str(tasks.write_stand_in_data(tmp_path / "hub", documents=10, rows=16)))
+    common.save_checkpoint(tmp_path / "checkpoints" / "sft", 1, make_model(tokenizer), {"stage": "sft"},
+                           tokenizer=tokenizer)
+    args = ["--preset", "full", "--device", "cpu", "--batch-size", "8", "--device-batch-size", "4",
+            "--check-problems", "4", "--max-new-tokens", "16"]
+    dpo.main(args + ["--dry-run"])
+    assert "dry run" in capsys.readouterr().out
+    assert not common.read_report() and not common.has_checkpoint(tmp_path / "checkpoints" / "dpo")
+    dpo.main(args)
+    out = capsys.readouterr().out
+    assert "ultrafeedback                   16 rows" in out and "2 steps of 8 pairs" in out
+    record = common.read_report()[-1]
+    assert record["pairs"] == "ultrafeedback" and record["pairs_train"] == {"paired": 16}

@@ -155,6 +155,24 @@ def test_main_tiny_trains_saves_reports_and_resumes(tokenizer, tmp_path, monkeyp
     assert len(common.read_report()) == 1
 
 
+def test_full_preset_mixture_runs_on_stand_in_hub_data(tokenizer, tmp_path, monkeypatch, capsys):
+    # The full preset's data path (SmolTalk + GSM8K + synthetic) end to end, offline, on files of the hub schemas.
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    monkeypatch.setenv("NANOPOST_DATA_DIR", str(tasks.write_stand_in_data(tmp_path / "hub", documents=10, rows=16)))
+    save_base(tmp_path, tokenizer)
+    args = ["--preset", "full", "--device", "cpu", "--batch-size", "16", "--device-batch-size", "8", "--num-steps", "2",
+            "--eval-rows", "8", "--check-problems", "4", "--check-samples", "1", "--max-new-tokens", "16"]
+    sft.main(args + ["--dry-run"])
+    assert "dry run" in capsys.readouterr().out
+    assert not common.read_report() and not common.has_checkpoint(tmp_path / "checkpoints" / "sft")
+    sft.main(args)
+    out = capsys.readouterr().out
+    for line in ("smoltalk                        16 rows", "gsm8k                           32 rows (of 16)",
+                 "synthetic                   10,000 rows", "2 steps of 16 conversations"):
+        assert line in out
+    assert common.read_report()[-1]["stage"] == "sft"
+
+
 # -----------------------------------------------------------------------------
 # DDP: two ranks holding different micro-batches give the gradients of the whole batch in one process.
 
