@@ -359,6 +359,7 @@ def main(argv=None):
             setattr(args, key, value)
 
     ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
+    stage_start = time.time()
     out_dir = args.out or common.checkpoint_dir("dpo")
     resume_state = None
     if args.resume and common.has_checkpoint(out_dir):
@@ -484,7 +485,8 @@ def main(argv=None):
         meta = {"stage": "dpo", "finished": True, "preset": args.preset, "args": vars(args), "metrics": after,
                 "sft_step": sft_meta.get("step")}
         print0(f"saved {common.save_checkpoint(out_dir, num_steps, model, meta, tokenizer=tokenizer)}")
-    common.append_report({"stage": "dpo", "preset": args.preset, "pairs": args.pairs, "loss_type": args.loss_type,
+    common.append_report({"stage": "dpo", "preset": args.preset, "seconds": time.time() - stage_start,
+                          "pairs": args.pairs, "loss_type": args.loss_type,
                           "steps": num_steps, "train_pairs": min_pairs * world_size,
                           **{f"before/{k}": v for k, v in before.items()},
                           **{f"after/{k}": v for k, v in after.items()},

@@ -591,12 +591,14 @@ def draw_plots(records, out_dir):
         plt.close(fig)
     evals = merged_evals(records)
     for task in dict.fromkeys(task for entry in evals.values() for task in entry["coverage"]):
+        sampled = [(stage, entry["coverage"][task]) for stage, entry in evals.items()
+                   if task in entry["coverage"] and entry["coverage"][task]["samples"] > 1]
+        if not sampled:  # greedy single samples only: no pass@k curve to draw
+            continue
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        for stage, entry in evals.items():
-            counts = entry["coverage"].get(task)
-            if counts is not None and counts["samples"] > 1:
-                curve = pass_at_k_curve(counts["correct"], counts["samples"])
-                ax.plot(range(1, len(curve) + 1), curve, marker="o", label=stage)
+        for stage, counts in sampled:
+            curve = pass_at_k_curve(counts["correct"], counts["samples"])
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=stage)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda k, _: f"{k:g}"))  # 1 2 4 8, not 2^0 ...
         ax.set_xlabel("k (samples)")

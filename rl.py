@@ -691,7 +691,7 @@ def main(argv=None):
     append_report({"stage": "rl", "preset": args.preset, "task": args.task, "steps": args.num_steps, "seed": args.seed,
                    "pass@1_before": before["pass@1"], "pass@1": after["pass@1"],
                    f"{k}_before": before[k], k: after[k], "eval_problems": len(eval_indices),
-                   "eval_samples": args.eval_samples, "time_s": time.time() - t_start})
+                   "eval_samples": args.eval_samples, "seconds": time.time() - t_start})
     logger.finish()
     compute_cleanup()
 

@@ -201,6 +201,7 @@ def main(argv=None):
             setattr(args, key, value)
 
     ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
+    stage_start = time.time()
     out_dir = args.out or common.checkpoint_dir("sft")
     resume_state = None
     if args.resume and common.has_checkpoint(out_dir):
@@ -304,7 +305,8 @@ def main(argv=None):
                 "base_step": base_meta.get("step")}
         path = common.save_checkpoint(out_dir, num_steps, model, meta, tokenizer=tokenizer)
         print0(f"saved {path}")
-    common.append_report({"stage": "sft", "preset": args.preset, "steps": num_steps, "train_loss": train_loss,
+    common.append_report({"stage": "sft", "preset": args.preset, "seconds": time.time() - stage_start,
+                          "steps": num_steps, "train_loss": train_loss,
                           "val_loss_before": before["val_loss"], **final,
                           "skipped": {f"{name}/{reason}": count for (name, reason), count in skipped.items()}})
     compute_cleanup()
