@@ -1,11 +1,30 @@
 import torch
 
+import tasks
+from model import GPT, GPTConfig
+from tokenizer import Tokenizer
+
 # Two cores on CI: one intra-op thread per test process keeps timings predictable (torchrun tests start two).
 torch.set_num_threads(1)
 
 
 # -----------------------------------------------------------------------------
 # Shared tiny building blocks (added by the eval tests; import the plain functions with `from conftest import ...`)
+
+
+def make_tokenizer():
+    """A real BPE tokenizer (vocab 400) trained on 300 synthetic documents: the chat-stage tests' vocabulary."""
+    return Tokenizer.train(tasks.synthetic_documents(300, seed=0), vocab_size=400)
+
+
+def make_model(tokenizer, seed=0):
+    """
+    A 2-layer GQA GPT with PyTorch's default init (not init_weights, which zeroes the output projections): every
+    block is non-trivial, so the tests see real attention.
+    """
+    torch.manual_seed(seed)
+    config = GPTConfig(sequence_len=128, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    return GPT(config)
 
 
 def scripted_model(tokenizer, transitions, scale=1.0):

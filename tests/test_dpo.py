@@ -15,19 +15,12 @@ import dpo
 import tasks
 from engine import Engine
 from eval import completion_text
-from model import GPT, GPTConfig
-from tokenizer import Tokenizer
+from conftest import make_model, make_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return Tokenizer.train(tasks.synthetic_documents(300, seed=0), vocab_size=400)
-
-
-def make_model(tokenizer, seed=0):
-    torch.manual_seed(seed)
-    config = GPTConfig(sequence_len=128, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
-    return GPT(config)
+    return make_tokenizer()
 
 
 def softplus(x):

@@ -19,19 +19,9 @@ import torch
 import common
 import sft
 import tasks
-from model import GPT, GPTConfig
-from tokenizer import Tokenizer
+from conftest import make_model, make_tokenizer
 
 
-def make_tokenizer():
-    return Tokenizer.train(tasks.synthetic_documents(300, seed=0), vocab_size=400)
-
-
-def make_model(tokenizer, seed=0):
-    # PyTorch's default init (not init_weights): every block is non-trivial, so the test sees real attention.
-    torch.manual_seed(seed)
-    config = GPTConfig(sequence_len=128, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
-    return GPT(config)
 
 
 @pytest.fixture(scope="module")
