@@ -34,7 +34,7 @@ from engine import Engine
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
 from tasks import (GSM8K, RowTooLong, SyntheticPreferences, SyntheticTask, TaskMixture, UltraFeedback, collate,
-                   prepare_rows, safe_reward)
+                   completion_reward, prepare_rows)
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo")
 # What a DPO step logs (means over the step's pairs), TRL's names.
@@ -152,12 +152,15 @@ def render_pair(tokenizer, pair, max_seq_len):
 
 def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64):
     """
-    On-policy preference pairs: sample `num_samples` answers to each task[i] with the engine, score each with the
-    task's verifier (safe_reward: a crash or a timeout is incorrect), and pair one correct answer (reward > 0) with
-    one incorrect answer, each drawn at random among its kind; a prompt whose answers are all right or all wrong
-    gives no pair. The pair is made of the engine's own token ids, never re-tokenized: ids = prompt + completion
-    tokens, mask = 0 on the prompt and the completion's mask (1 where the model sampled the token, 0 on forced
-    tool outputs). Returns (pairs as ((ids, mask), (ids, mask)), Counter of outcomes per prompt).
+    On-policy preference pairs: sample `num_samples` answers to each task[i] with the engine, score each with
+    tasks.completion_reward, and pair one correct answer (reward > 0) with one incorrect answer, each drawn at random
+    among its kind; a prompt whose answers are all right or all wrong gives no pair. An answer that ran into
+    max_tokens is incorrect whatever its text (it may be a rejected answer, never a chosen one: the pair then
+    teaches to stop). An answer the verifier failed on (crash, timeout, nonsense) is neither: it is left out of the
+    pair, and a prompt whose every answer errored counts as "unscored". The pair is made of the engine's own token
+    ids, never re-tokenized: ids = prompt + completion tokens, mask = 0 on the prompt and the completion's mask (1
+    where the model sampled the token, 0 on forced tool outputs). Returns (pairs as ((ids, mask), (ids, mask)),
+    Counter of outcomes per prompt, plus "verifier errors" and "truncated" counted per answer).
     """
     pairs, stats = [], Counter()
     for start in range(0, len(indices), prompts_per_batch):
@@ -169,11 +172,14 @@ def self_generated_pairs(engine, task, indices, num_samples, max_tokens, tempera
         for i, conversation, prompt, completions in zip(batch, conversations, prompts, results):
             correct, incorrect = [], []
             for completion in completions:
-                reward, error = safe_reward(task, conversation, completion_text(engine.tokenizer, completion))
+                reward, error = completion_reward(task, conversation, completion_text(engine.tokenizer, completion),
+                                                  completion.finish)
                 stats["verifier errors"] += int(error)
-                (correct if reward > 0 else incorrect).append(completion)
+                stats["truncated"] += int(completion.finish == "length")
+                if not error:
+                    (correct if reward > 0 else incorrect).append(completion)
             if not correct or not incorrect:
-                stats["all correct" if correct else "all incorrect"] += 1
+                stats["all correct" if correct else "all incorrect" if incorrect else "unscored"] += 1
                 continue
             rng = random.Random(f"{seed}-{i}")
             chosen, rejected = rng.choice(correct), rng.choice(incorrect)
@@ -265,7 +271,10 @@ def preference_mixture(source, split, size, seed):
 
 
 def task_accuracy(model, tokenizer, args, device):
-    """Held-out pass@1 of --task: greedy, and at temperature 1 (args.check_samples samples per problem)."""
+    """
+    Held-out pass@1 of --task: greedy, and at temperature 1 (args.check_samples samples per problem); the samples
+    that hit --max-new-tokens (never correct) and the verifier errors, counted over both.
+    """
     engine = Engine(model, tokenizer)
     task = eval_task(args.task, "test", args.check_problems, args.seed)
     indices = list(range(len(task)))
@@ -274,7 +283,9 @@ def task_accuracy(model, tokenizer, args, device):
                                      seed=args.seed)
         sampled = evaluate_generative(engine, task, indices, num_samples=args.check_samples,
                                       max_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed)
-    return {"pass@1": greedy["pass@1"], "pass@1_t1": sampled["pass@1"]}
+    return {"pass@1": greedy["pass@1"], "pass@1_t1": sampled["pass@1"],
+            "truncated": greedy["truncated"] + sampled["truncated"],
+            "verifier_errors": greedy["errors"] + sampled["errors"]}
 
 
 def build_pairs(args, model, tokenizer, split, max_seq_len):

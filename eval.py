@@ -51,8 +51,8 @@ import torch.distributed as dist
 import common
 from common import autocast_ctx, format_eta, get_dist_info, print0
 from engine import Engine
-from tasks import (GSM8K, LETTERS, MultipleChoice, SyntheticTask, collate, pretraining_batches, pretraining_texts,
-                   safe_reward)
+from tasks import (GSM8K, LETTERS, MultipleChoice, SyntheticTask, collate, completion_reward, pretraining_batches,
+                   pretraining_texts)
 
 STAGES = ("base", "sft", "dpo", "rl")  # the checkpoints eval.py evaluates
 PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl")  # the report card's order (pretrain.py: "pretrain")
@@ -365,16 +365,19 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
                         top_k=None, top_p=None, batch_size=32, seed=0, label=None):
     """
     Sample `num_samples` completions for each problem task[i], i in `indices`, score each with the task's
-    verifier, and return exact counts and pass@k. Under DDP every rank takes every world_size-th problem and
+    verifier (tasks.completion_reward: an answer that ran into max_tokens is not correct), and return exact counts
+    and pass@k. Under DDP every rank takes every world_size-th problem and
     the per-problem counts are summed across ranks, so the result is the same as one process would get.
     `label`: print progress lines under that name (rank 0's share).
 
-    Returns {"correct": LongTensor (P,), "samples": n, "errors": int, "pass@k": float for each k}.
+    Returns {"correct": LongTensor (P,), "samples": n, "errors": int (verifier errors), "truncated": int
+    (completions that hit max_tokens), "pass@k": float for each k}.
     """
     rank = get_dist_info()[1]
     device = next(engine.model.parameters()).device
     correct = torch.zeros(len(indices), dtype=torch.long, device=device)
     errors = torch.zeros((), dtype=torch.long, device=device)
+    truncated = torch.zeros((), dtype=torch.long, device=device)
     mine = _my_share(len(indices))
     t0 = time.time()
     for start in range(0, len(mine), batch_size):
@@ -386,16 +389,19 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
                                       top_k=top_k, top_p=top_p, seed=seed + start + rank * 1_000_003)
         for p, conversation, completions in zip(positions, conversations, results):
             for completion in completions:
-                reward, error = safe_reward(task, conversation, completion_text(engine.tokenizer, completion))
+                reward, error = completion_reward(task, conversation, completion_text(engine.tokenizer, completion),
+                                                  completion.finish)
                 correct[p] += int(reward > 0)
                 errors += int(error)
+                truncated += int(completion.finish == "length")
         if label is not None:
             _progress(label, min(start + batch_size, len(mine)), len(mine), t0)
     if dist.is_initialized():
         dist.all_reduce(correct)
         dist.all_reduce(errors)
+        dist.all_reduce(truncated)
     correct = correct.cpu()
-    result = {"correct": correct, "samples": num_samples, "errors": int(errors)}
+    result = {"correct": correct, "samples": num_samples, "errors": int(errors), "truncated": int(truncated)}
     for k in ks:
         result[f"pass@{k}"] = sum(pass_at_k(num_samples, int(c), k) for c in correct) / max(len(indices), 1)
     return result
@@ -777,9 +783,11 @@ def main(argv=None):
                                              temperature, args.top_k, batch_size=batch_size, seed=args.seed,
                                              label=label)
                 metrics.update({f"{name}/pass@{k}": result[f"pass@{k}"] for k in ks})
+                metrics[f"{name}/truncated"], metrics[f"{name}/verifier_errors"] = result["truncated"], result["errors"]
                 coverage[name] = {"samples": args.num_samples, "correct": result["correct"].tolist()}
                 shown = " | ".join(f"pass@{k} {result[f'pass@{k}']:.4f}" for k in ks)
-                shown += f" ({len(task)} problems, {result['errors']} verifier errors)"
+                shown += (f" ({len(task)} problems, {result['truncated']} truncated and {result['errors']} verifier "
+                          "errors among the samples)")
             print0(f"{label}: {shown} | {time.time() - t0:.1f}s")
         logged.update({f"{stage}/{name}": value for name, value in metrics.items()})
         common.append_report({"stage": "eval", "of": stage, "ckpt": str(ckpt),

@@ -146,7 +146,10 @@ def format_check(engine, task, indices, max_tokens, device):
 
 
 def generation_metrics(model, tokenizer, args, device):
-    """Format and stop rates, greedy pass@1 and pass@1 at temperature 1 on held-out synthetic problems."""
+    """
+    Format and stop rates, greedy pass@1 and pass@1 at temperature 1 on held-out synthetic problems (an answer that
+    did not stop is not correct: eval.evaluate_generative), and the counts of truncated samples and verifier errors.
+    """
     engine = Engine(model, tokenizer)
     task = SyntheticTask("test", size=args.check_problems, seed=args.seed)
     indices = list(range(len(task)))
@@ -159,6 +162,7 @@ def generation_metrics(model, tokenizer, args, device):
     metrics["pass@1"] = greedy["pass@1"]
     metrics["pass@1_t1"] = sampled["pass@1"]
     metrics["verifier_errors"] = greedy["errors"] + sampled["errors"]
+    metrics["truncated"] = greedy["truncated"] + sampled["truncated"]  # samples that hit the budget: never correct
     return metrics
 
 

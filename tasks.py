@@ -100,6 +100,19 @@ def safe_reward(task, conversation, completion, timeout=1.0):
     return reward, False
 
 
+def completion_reward(task, conversation, text, finish, timeout=1.0):
+    """
+    (reward, error) of a sampled completion: its decoded `text` and how it ended, `finish` ("stop": it emitted the
+    end of its turn; "length": it ran into the token budget). The one rule every stage scores by: an answer that
+    did not stop is never a success, whatever its text says, so it scores 0.0 without asking the verifier.
+    Otherwise safe_reward. A '#### 7' written just before the budget runs out is not an answer the model gave:
+    rewarding it (RL), choosing it (DPO pairs) or counting it (pass@k) would teach and measure not stopping.
+    """
+    if finish != "stop":
+        return 0.0, False
+    return safe_reward(task, conversation, text, timeout)
+
+
 # -----------------------------------------------------------------------------
 # The synthetic task family
 
