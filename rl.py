@@ -11,8 +11,10 @@ Each step, on every rank (ranks hold different prompts; a group never spans rank
     1. rollout   draw prompts; Engine.generate samples G completions of each (one prefill per prompt, all rows decoded
                  together) and keeps their token ids, masks (0 on forced tool output) and behavior log-probs. The
                  learner trains on exactly those ids: text is never re-tokenized.
-    2. score     the task's verifier (tasks.safe_reward: a crash or timeout is 0 and counted), plus the optional DAPO
-                 overlong penalty; dynamic sampling drops groups whose rewards are all equal and samples again.
+    2. score     the task's verifier (tasks.completion_reward: an answer that ran into --max-tokens is 0; a verifier
+                 crash or timeout is counted and the completion left out of training), plus the optional DAPO
+                 overlong penalty; dynamic sampling drops groups whose verifier rewards are all equal and samples
+                 again. A step never holds the same prompt twice (ranks and rounds draw without replacement).
     3. advantage group_advantages: every token of a completion carries its completion's advantage.
     4. update    one no-grad pass scores the batch with the current weights (old log-probs, entropy, the engine/trainer
                  gap); then `--epochs` passes of `--minibatches` optimizer steps each minimise policy_loss (+ KL).
@@ -53,7 +55,7 @@ from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute
 from engine import Engine, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
-from tasks import GSM8K, SyntheticTask, collate, safe_reward
+from tasks import GSM8K, SyntheticTask, collate, completion_reward
 
 PRESETS = {
     # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
@@ -68,12 +70,14 @@ PRESETS = {
 }
 
 LOGP_FLOOR = -100.0  # log-probs are floored here: a token outside a top-k/top-p support (-inf) must not become NaN
+LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| and |log pi_trainer/pi_engine| are clamped here before exp(), as in verl:
+# with log-probs floored at -100, exp(98) overflows float32 to inf, and inf * 0 (a clipped branch) is a NaN gradient
 
 # -----------------------------------------------------------------------------
 # The math: advantages, reward shaping, loss aggregation, policy losses, KL, engine/trainer mismatch
 
 
-def group_advantages(rewards, group_size, scale="std", baseline="mean", eps=1e-6):
+def group_advantages(rewards, group_size, scale="std", baseline="mean", eps=1e-6, valid=None):
     """
     Advantages of rewards (N,) laid out as N / group_size consecutive groups of completions of one prompt:
 
@@ -82,7 +86,10 @@ def group_advantages(rewards, group_size, scale="std", baseline="mean", eps=1e-6
         A_i = r_i - b_i,   then with scale "std" (GRPO):  A_i / (std_j r_j + eps)   (population std of the group)
                                      scale "none" (Dr. GRPO): A_i unchanged
 
-    A group whose rewards are all equal gets A = 0 under every option. Returns (N,).
+    valid (N,) bool, optional: the completions that have a reward at all (False: the verifier failed on it, and an
+    error is not a wrong answer). The sums, means and std above then run over a group's n valid members only (G = n),
+    an invalid completion gets A = 0, and a group with fewer than 2 valid members gets A = 0 throughout.
+    A group whose (valid) rewards are all equal gets A = 0 under every option. Returns (N,).
     """
     if baseline not in ("mean", "loo"):
         raise ValueError(f"unknown baseline {baseline!r}; expected 'mean' or 'loo'")
@@ -91,13 +98,17 @@ def group_advantages(rewards, group_size, scale="std", baseline="mean", eps=1e-6
     if group_size < 2 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size} (need group_size >= 2)")
     r = rewards.float().view(-1, group_size)  # (groups, G)
+    v = torch.ones_like(r) if valid is None else valid.view(-1, group_size).float()  # (groups, G)
+    n = v.sum(1, keepdim=True)  # (groups, 1) valid members
+    total = (r * v).sum(1, keepdim=True)
+    mean = total / n.clamp(min=1)
     if baseline == "mean":
-        advantages = r - r.mean(1, keepdim=True)
+        advantages = r - mean
     else:
-        advantages = r - (r.sum(1, keepdim=True) - r) / (group_size - 1)
+        advantages = r - (total - r) / (n - 1).clamp(min=1)
     if scale == "std":
-        advantages = advantages / (r.std(1, unbiased=False, keepdim=True) + eps)
-    return advantages.view(-1)
+        advantages = advantages / ((((r - mean) ** 2 * v).sum(1, keepdim=True) / n.clamp(min=1)).sqrt() + eps)
+    return (advantages * v * (n >= 2)).view(-1)
 
 
 def overlong_penalty(lengths, max_tokens, buffer):
@@ -145,6 +156,20 @@ def aggregate(values, mask, agg, max_len=None, count=None):
 
 
 LOSS_KINDS = ("pg", "ppo", "gspo", "cispo")
+# Each loss kind's defaults from its paper, used for --eps-low / --eps-high / --loss-agg when the flag is not given:
+#   pg, ppo  eps 0.2 (PPO, Schulman et al. 2017) / 0.28 (clip-higher, DAPO, Yu et al. 2025), token-mean (DAPO).
+#   gspo     eps 3e-4 / 4e-4 (the bounds of the GSPO experiments, Zheng et al. 2025) and seq-mean-token-mean: its
+#            objective is the mean over the G sequences of each one's clipped term; token-mean would weigh each
+#            sequence by its length.
+#   cispo    no lower bound on the importance weight, eps_low = 1 so 1 - eps_low = 0 (MiniMax-M1, 2025, sec. 3.1:
+#            "we did not impose a lower bound ... we only tuned eps_high"; 0.28 is DAPO's), and the token-level
+#            average 1 / sum_i |o_i| of its eq. 4.
+LOSS_DEFAULTS = {
+    "pg": dict(eps_low=0.2, eps_high=0.28, loss_agg="token-mean"),
+    "ppo": dict(eps_low=0.2, eps_high=0.28, loss_agg="token-mean"),
+    "gspo": dict(eps_low=3e-4, eps_high=4e-4, loss_agg="seq-mean-token-mean"),
+    "cispo": dict(eps_low=1.0, eps_high=0.28, loss_agg="token-mean"),
+}
 
 
 def policy_loss(logp, old_logp, advantages, mask, kind="ppo", eps_low=0.2, eps_high=0.28, agg="token-mean",
@@ -165,21 +190,26 @@ def policy_loss(logp, old_logp, advantages, mask, kind="ppo", eps_low=0.2, eps_h
                clipped and detached, so a clipped token keeps its gradient instead of losing it as in ppo.
                (The paper bounds the weight from above only: eps_low = 1.)
 
+    Every log-ratio (the token's, and gspo's sequence mean) is clamped to +-LOG_RATIO_CLAMP before exp(), so
+    extreme log-probs give a finite loss and finite gradients (beyond the clamp the token gets no gradient).
     `weights` (B, T), detached, multiply l_t (the engine/trainer mismatch correction, mismatch_weights). The loss
     is aggregate(l, mask, agg, max_len, count). Returns (loss, stats) with stats floats: clip_low / clip_high, the
     fraction of valid tokens whose ratio was cut at the lower / upper bound (for ppo/gspo: where the clipped side
-    is active, i.e. the token gets no gradient), and ratio_min / ratio_mean / ratio_max over valid tokens.
+    is active, i.e. the token gets no gradient; clip_high includes the dual-clip region A < 0, r_t > c), and
+    ratio_min / ratio_mean / ratio_max over valid tokens.
     """
     if kind not in LOSS_KINDS:
         raise ValueError(f"unknown policy loss kind {kind!r}; expected one of {LOSS_KINDS}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1 (it caps -c A where the ratio exceeds c), got {dual_clip}")
     mask = mask.float()
     valid = mask > 0
     advantages = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    log_ratio = (logp - old_logp) * mask  # (B, T), 0 on padding so exp() stays finite
+    log_ratio = (logp - old_logp) * mask  # (B, T), 0 on padding
     if kind == "gspo":
         seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
         log_ratio = seq_log_ratio[:, None].expand_as(logp)
-    ratio = log_ratio.exp()  # (B, T)
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T)
     lower, upper = 1 - eps_low, 1 + eps_high
     if kind == "pg":
         token_loss = -advantages * (logp - logp.detach()).exp()
@@ -189,9 +219,10 @@ def policy_loss(logp, old_logp, advantages, mask, kind="ppo", eps_low=0.2, eps_h
         cut_low, cut_high = ratio < lower, ratio > upper
     else:  # ppo, gspo
         token_loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(lower, upper))
+        cut_low, cut_high = (advantages < 0) & (ratio < lower), (advantages > 0) & (ratio > upper)
         if dual_clip is not None:
             token_loss = torch.where(advantages < 0, torch.minimum(token_loss, -advantages * dual_clip), token_loss)
-        cut_low, cut_high = (advantages < 0) & (ratio < lower), (advantages > 0) & (ratio > upper)
+            cut_high = cut_high | ((advantages < 0) & (ratio > dual_clip))  # the loss is the constant -c A there
     if weights is not None:
         token_loss = token_loss * weights
     loss = aggregate(token_loss, mask, agg, max_len=max_len, count=count)
@@ -213,13 +244,19 @@ def kl_penalty(logp, ref_logp, kind="k2"):
     Per-token estimates of KL(pi || pi_ref) from tokens sampled from pi (Schulman 2020, "Approximating KL
     divergence"), with d = logp - ref_logp = log pi / pi_ref:
 
-        k1 = d                      unbiased value, high variance, can be negative
-        k2 = d^2 / 2                biased value; as a loss its gradient d grad(logp) is, in expectation over
-                                    pi, exactly grad KL(pi || pi_ref)
+        k1 = d                      unbiased value, high variance, can be negative. As a loss it teaches nothing:
+                                    its gradient grad(logp) has expectation sum_y grad pi(y) = 0 under pi
+        k2 = d^2 / 2                biased value; as a loss its gradient d grad(logp) equals, in expectation over
+                                    the next token y ~ pi(. | prefix), the gradient of KL(pi(. | prefix) || pi_ref(. |
+                                    prefix)) for that fixed prefix. It leaves out how changing pi changes which
+                                    prefixes are sampled, so it is the per-token KL's gradient, not the sequence KL's
         k3 = exp(-d) - 1 + d        unbiased value, always >= 0 (GRPO's choice); its gradient (1 - exp(-d)) grad(logp)
                                     is not the gradient of KL(pi || pi_ref)
 
-    The default is k2 because the penalty is used as a loss: it is its gradient that must be right. Returns (B, T).
+    The default is k2 because the penalty is used as a loss: it is its gradient that must be right. rl.py scores
+    both logp and ref_logp on the untruncated temperature-scaled distributions (no top-k/top-p cut, see
+    reference_sampling): against a truncated reference a token outside its support would get ref_logp = LOGP_FLOOR
+    and k2 ~ 5e3. Returns (B, T).
     """
     d = logp - ref_logp
     if kind == "k1":
@@ -241,9 +278,9 @@ def mismatch_weights(trainer_logp, engine_logp, mode="tis", cap=2.0, window=(0.5
         tis    w_t = min(rho_t, cap)                   truncated importance sampling (Yao et al. 2025)
         mask   w_t = 1 if low <= rho_t <= high else 0  tokens the two disagree on are dropped (IcePop / MIS)
 
-    Returns detached weights.
+    log rho_t is clamped to +-LOG_RATIO_CLAMP first, so the weights are finite. Returns detached weights.
     """
-    rho = (trainer_logp - engine_logp).detach().exp()
+    rho = (trainer_logp - engine_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     if mode == "none":
         return torch.ones_like(rho)
     if mode == "tis":
@@ -265,36 +302,50 @@ def mix_seed(*numbers):
 
 
 def score_group(task, conversation, completions, tokenizer):
-    """(rewards, errors) of one prompt's completions: the verifier's reward, 0 (and an error) if it fails."""
-    scored = [safe_reward(task, conversation, completion_text(tokenizer, c)) for c in completions]
-    return [reward for reward, _ in scored], sum(error for _, error in scored)
+    """
+    (rewards, errors) of one prompt's completions, lists of floats and bools (tasks.completion_reward): the
+    verifier's reward, 0 for an answer that ran into max_tokens, 0 and error True where the verifier failed.
+    """
+    scored = [completion_reward(task, conversation, completion_text(tokenizer, c), c.finish) for c in completions]
+    return [reward for reward, _ in scored], [error for _, error in scored]
 
 
 def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed, filter_zero_contrast=True,
-                  max_rounds=4, overlong_buffer=0):
+                  max_rounds=4, overlong_buffer=0, rank=0, world_size=1):
     """
-    Roll out `num_groups` groups of `group_size` completions. Each round draws num_groups prompts of `task`
-    (without replacement, from a random stream seeded by `seed`), generates, scores, and keeps groups
-    until num_groups are kept. With filter_zero_contrast (DAPO's dynamic sampling), a group whose shaped
-    rewards are all equal is dropped (its advantages would all be 0) and sampling continues, for at most
-    max_rounds rounds: the batch may then come back short, never with a zero-contrast group.
-    overlong_buffer > 0 adds overlong_penalty to each reward.
+    Roll out `num_groups` groups of `group_size` completions on this rank. Each round takes num_groups prompts of
+    `task`, generates, scores, and keeps groups until num_groups are kept. The prompts of a whole step are one draw
+    without replacement (seeded by `seed`, which must be the same on every rank): round k of rank r takes chunk
+    k * world_size + r of it, so a step never holds the same prompt twice, across rounds or ranks; the sampling
+    noise differs per rank and round.
 
-    Returns (groups, stats). A group is {"prompt": ids, "completions": [Completion], "rewards": [float] (shaped)};
-    stats are sums over every sampled group, kept or not: the logs count the outcomes of filtered groups too.
+    With filter_zero_contrast (DAPO's dynamic sampling), a group without contrast is dropped and sampling
+    continues, for at most max_rounds rounds (or until the task has no unseen prompt left): the batch may then come
+    back short, never with a zero-contrast group. Contrast is decided on the verifier's rewards of the completions
+    it scored without error (DAPO keeps 0 < accuracy < 1), never on shaped rewards: a group whose answers are all
+    right must not pass because one ran into the overlong buffer, or std scaling would turn a 1/64 length penalty
+    into full-size advantages. overlong_buffer > 0 then adds overlong_penalty to each reward of the kept groups:
+    within a group that has contrast, shaping moves each advantage by its penalty / the group's std.
+
+    Returns (groups, stats). A group is {"prompt": ids, "completions": [Completion], "rewards": [float] (shaped),
+    "errors": [bool] (the verifier failed: no reward, left out of training by learner_rows)}; stats are sums over
+    every sampled group, kept or not: the logs count the outcomes of filtered groups too.
     """
     tokenizer = engine.tokenizer
-    rng = random.Random(seed)
+    draws = random.Random(seed).sample(range(len(task)), min(len(task), max_rounds * world_size * num_groups))
     groups = []
     stats = dict.fromkeys(["groups", "completions", "reward_sum", "reward_sq_sum", "correct", "errors",
                            "zero_contrast", "length_sum", "truncated", "rounds"], 0)
     stats["length_max"] = 0
     for round_index in range(max_rounds):
-        indices = rng.sample(range(len(task)), min(num_groups, len(task)))
+        start = (round_index * world_size + rank) * num_groups
+        indices = draws[start:start + num_groups]
+        if not indices:  # every prompt of the task is already in this step
+            break
         conversations = [task[i] for i in indices]
         prompts = [tokenizer.render_for_completion(c) for c in conversations]
         results = engine.generate(prompts, num_samples=group_size, max_tokens=max_tokens,
-                                  seed=mix_seed(seed, round_index), **sampling)
+                                  seed=mix_seed(seed, rank, round_index), **sampling)
         stats["rounds"] += 1
         for conversation, prompt, completions in zip(conversations, prompts, results):
             rewards, errors = score_group(task, conversation, completions, tokenizer)
@@ -302,19 +353,20 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
             shaped = torch.tensor(rewards)
             if overlong_buffer > 0:
                 shaped = shaped + overlong_penalty(lengths, max_tokens, overlong_buffer)
-            zero_contrast = bool((shaped == shaped[0]).all())
+            zero_contrast = len({r for r, error in zip(rewards, errors) if not error}) < 2
             stats["groups"] += 1
             stats["completions"] += len(completions)
             stats["reward_sum"] += sum(rewards)
             stats["reward_sq_sum"] += sum(r * r for r in rewards)
             stats["correct"] += sum(r > 0 for r in rewards)
-            stats["errors"] += errors
+            stats["errors"] += sum(errors)
             stats["zero_contrast"] += zero_contrast
             stats["length_sum"] += int(lengths.sum())
             stats["length_max"] = max(stats["length_max"], int(lengths.max()))
             stats["truncated"] += sum(c.finish == "length" for c in completions)
             if len(groups) < num_groups and not (filter_zero_contrast and zero_contrast):
-                groups.append({"prompt": prompt, "completions": completions, "rewards": shaped.tolist()})
+                groups.append({"prompt": prompt, "completions": completions, "rewards": shaped.tolist(),
+                               "errors": errors})
         if len(groups) == num_groups:
             break
     return groups, stats
@@ -329,15 +381,19 @@ def learner_rows(groups, group_size, adv_scale, adv_baseline, mask_truncated):
     One row per completion: (ids, mask, behavior_logprobs, advantage), ids = prompt + completion tokens exactly as
     sampled, mask 0 on the prompt and on forced tool output (and on the whole completion if it hit max_tokens and
     mask_truncated is set), behavior_logprobs the engine's log-prob of each token (0 on the prompt).
+    A completion the verifier failed on (group["errors"], optional) is dropped from training: mask 0, advantage 0,
+    and its group's baseline and std are those of the others (group_advantages' valid).
     """
     if not groups:
         return []
     rewards = torch.tensor([r for g in groups for r in g["rewards"]])
-    advantages = group_advantages(rewards, group_size, scale=adv_scale, baseline=adv_baseline).tolist()
+    errors = [error for g in groups for error in g.get("errors", [False] * len(g["rewards"]))]
+    advantages = group_advantages(rewards, group_size, scale=adv_scale, baseline=adv_baseline,
+                                  valid=~torch.tensor(errors, dtype=torch.bool)).tolist()
     rows = []
     for g, group in enumerate(groups):
         for j, completion in enumerate(group["completions"]):
-            keep = not (mask_truncated and completion.finish == "length")
+            keep = not (mask_truncated and completion.finish == "length") and not errors[g * group_size + j]
             mask = [0] * len(group["prompt"]) + [m * keep for m in completion.mask]
             behavior = [0.0] * len(group["prompt"]) + completion.logprobs
             rows.append((group["prompt"] + completion.tokens, mask, behavior, advantages[g * group_size + j]))
@@ -356,6 +412,16 @@ def collate_rollouts(rows, pad_id, device):
         behavior[b, :len(ids) - 1] = torch.tensor(logprobs[1:])
     return {"inputs": inputs.to(device), "targets": targets.to(device), "mask": (targets >= 0).float().to(device),
             "behavior": behavior.to(device), "advantages": torch.tensor([a for *_, a in rows]).to(device)}
+
+
+def reference_sampling(sampling):
+    """
+    The distributions the KL penalty compares: the sampling temperature without the top-k/top-p cut. Truncation is
+    a decoding choice, not part of either model; a truncated reference gives the tokens outside its support
+    log-prob LOGP_FLOOR (an infinite KL, floored). Scoring the policy's side the same way keeps the KL 0 at equal
+    weights; it costs a second forward pass of the policy when --top-k/--top-p are set.
+    """
+    return {**sampling, "top_k": None, "top_p": None}
 
 
 def token_logprobs(model, inputs, targets, sampling):
@@ -440,10 +506,14 @@ def parse_args(argv=None):
     add("--adv-scale", choices=["std", "none"], default="std", help="std: GRPO; none: Dr. GRPO")
     add("--adv-baseline", choices=["mean", "loo"], default="mean", help="mean: GRPO; loo: RLOO leave-one-out")
     add("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see policy_loss)")
-    add("--eps-low", type=float, default=0.2, help="lower clip: ratio >= 1 - eps_low")
-    add("--eps-high", type=float, default=0.28, help="upper clip: ratio <= 1 + eps_high (clip-higher)")
-    add("--dual-clip", type=float, default=None, help="cap the loss of negative-advantage tokens at -c A (e.g. 3)")
-    add("--loss-agg", choices=AGGREGATIONS, default="token-mean", help="how token losses are averaged")
+    add("--eps-low", type=float, default=None,
+        help="lower clip: ratio >= 1 - eps_low (default per --loss, see LOSS_DEFAULTS: ppo 0.2, gspo 3e-4, cispo 1)")
+    add("--eps-high", type=float, default=None,
+        help="upper clip: ratio <= 1 + eps_high (default per --loss: ppo 0.28 clip-higher, gspo 4e-4, cispo 0.28)")
+    add("--dual-clip", type=float, default=None,
+        help="cap the loss of negative-advantage tokens at -c A, c > 1 (e.g. 3; ppo and gspo)")
+    add("--loss-agg", choices=AGGREGATIONS, default=None,
+        help="how token losses are averaged (default per --loss: token-mean, gspo seq-mean-token-mean)")
     add("--kl-coef", type=float, default=0.0, help="KL(pi || pi_ref) penalty weight; 0 loads no reference model")
     add("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see kl_penalty)")
     add("--mismatch", choices=["none", "tis", "mask"], default="tis",
@@ -469,6 +539,19 @@ def parse_args(argv=None):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    filled = {key: value for key, value in LOSS_DEFAULTS[args.loss].items() if getattr(args, key) is None}
+    for key, value in filled.items():
+        setattr(args, key, value)
+    if filled:
+        print0(f"loss {args.loss}: paper defaults " + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                                                                 for k, v in filled.items()))
+    if args.loss == "pg" and (args.epochs > 1 or args.minibatches > 1):
+        raise ValueError(f"--loss pg is on-policy REINFORCE (no old log-probs, no clipping), but --epochs "
+                         f"{args.epochs} / --minibatches {args.minibatches} > 1 update on data from older weights; "
+                         "use --loss ppo (or cispo) for several updates per batch")
+    if args.dual_clip is not None and not args.dual_clip > 1:
+        raise ValueError(f"--dual-clip must be > 1 (the loss of a negative-advantage token is capped at -c A), "
+                         f"got {args.dual_clip}")
     return args
 
 
@@ -530,7 +613,8 @@ def main(argv=None):
                                      temperature=args.eval_temperature, top_k=args.top_k, top_p=args.top_p,
                                      seed=mix_seed(args.seed, "eval"))
         k = f"pass@{args.eval_samples}"
-        record = {"step": step, "pass@1": result["pass@1"], k: result[k], "errors": result["errors"]}
+        record = {"step": step, "pass@1": result["pass@1"], k: result[k], "errors": result["errors"],
+                  "truncated": result["truncated"]}
         print0(f"eval step {step}: pass@1 {record['pass@1']:.4f}, {k} {record[k]:.4f}")
         return record
 
@@ -553,9 +637,10 @@ def main(argv=None):
         t0 = time.time()
         with autocast_ctx(device):
             groups, rollout = sample_groups(engine, train_task, groups_per_rank, args.group_size, args.max_tokens,
-                                            sampling, seed=mix_seed(args.seed, step, rank),
+                                            sampling, seed=mix_seed(args.seed, step),
                                             filter_zero_contrast=args.filter_zero_contrast,
-                                            max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer)
+                                            max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer,
+                                            rank=rank, world_size=world_size)
         synchronize(device)
         t1 = time.time()
 
@@ -587,7 +672,8 @@ def main(argv=None):
                 tally["trained_tokens"] += int(mask.sum())
                 tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
                 if ref_model is not None:
-                    micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"], sampling)
+                    micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"],
+                                                          reference_sampling(sampling))
         per_minibatch = torch.tensor([[sum(float(m["mask"].sum()) for m in mb),
                                        sum(float((m["mask"].sum(-1) > 0).sum()) for m in mb)] for mb in minibatches],
                                      dtype=torch.float64, device=device)  # (minibatches, 2): tokens, sequences
@@ -613,7 +699,9 @@ def main(argv=None):
                                               max_len=args.max_tokens, count=count)
                     num_tokens = float(micro["mask"].sum())
                     if ref_model is not None:
-                        kl = kl_penalty(logp, micro["ref_logp"], args.kl_kind)  # (B, T)
+                        kl_logp = logp if reference_sampling(sampling) == sampling else token_logprobs(
+                            model, micro["inputs"], micro["targets"], reference_sampling(sampling))[0]
+                        kl = kl_penalty(kl_logp, micro["ref_logp"], args.kl_kind)  # (B, T)
                         loss = loss + args.kl_coef * aggregate(kl, micro["mask"], args.loss_agg,
                                                                max_len=args.max_tokens, count=count)
                         tally["kl_sum"] += float((kl.detach() * micro["mask"]).sum())
@@ -691,6 +779,7 @@ def main(argv=None):
     append_report({"stage": "rl", "preset": args.preset, "task": args.task, "steps": args.num_steps, "seed": args.seed,
                    "pass@1_before": before["pass@1"], "pass@1": after["pass@1"],
                    f"{k}_before": before[k], k: after[k], "eval_problems": len(eval_indices),
+                   "truncated": after.get("truncated"), "verifier_errors": after["errors"],
                    "eval_samples": args.eval_samples, "seconds": time.time() - t_start})
     logger.finish()
     compute_cleanup()

@@ -264,7 +264,16 @@ def tokenizer():
 def model(tokenizer):
     torch.manual_seed(0)  # PyTorch's default init: a random model whose samples vary
     config = GPTConfig(sequence_len=128, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
-    return GPT(config).eval()
+    model = GPT(config).eval()
+    # Only an answer that stops can be correct (tasks.completion_reward), and a random model almost never emits
+    # <|assistant_end|>: a constant feature in every embedding, read by that token's output row, makes it end its
+    # turn within 8 tokens about half the time.
+    with torch.no_grad():
+        model.wte.weight[:, 0] = 10.0
+        end = tokenizer.token_id("<|assistant_end|>")
+        model.lm_head.weight[end] = 0.0
+        model.lm_head.weight[end, 0] = 0.6
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +286,8 @@ def checkpoint(tmp_path_factory, model, tokenizer):
 class LengthParity:
     """
     Synthetic prompts with a reward a random model can both earn and miss: 1 if the completion's text has an even
-    number of characters. For prompts whose answer is even, every completion scores 1: a zero-contrast group.
+    number of characters. For prompts whose answer is even, every completion scores 1 (if it stops: an answer cut
+    by max_tokens scores 0 whatever the verifier says).
     """
 
     def __init__(self, split="train", size=64):
@@ -322,13 +332,13 @@ def test_engine_logprobs_match_the_learner(model, tokenizer, sampling):
 def test_mask_truncated_removes_completions_that_hit_the_budget(model, tokenizer):
     engine = Engine(model, tokenizer)
     prompt = tokenizer.render_for_completion(SyntheticTask("train", size=1)[0])
-    (completions,) = engine.generate([prompt], num_samples=4, max_tokens=3, seed=0)
-    assert all(c.finish == "length" for c in completions)  # a random model does not stop within 3 tokens
-    group = [{"prompt": prompt, "completions": completions, "rewards": [0.0, 1.0, 0.0, 1.0]}]
-    masked = rl.learner_rows(group, 4, "std", "mean", mask_truncated=True)
-    kept = rl.learner_rows(group, 4, "std", "mean", mask_truncated=False)
-    assert sum(map(sum, (m for _, m, _, _ in masked))) == 0
-    assert sum(map(sum, (m for _, m, _, _ in kept))) == 12
+    (completions,) = engine.generate([prompt], num_samples=6, max_tokens=3, seed=0)
+    assert {c.finish for c in completions} == {"stop", "length"}  # some stop within 3 tokens, some do not
+    group = [{"prompt": prompt, "completions": completions, "rewards": [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]}]
+    masked = rl.learner_rows(group, 6, "std", "mean", mask_truncated=True)
+    kept = rl.learner_rows(group, 6, "std", "mean", mask_truncated=False)
+    assert [sum(m) for _, m, _, _ in masked] == [len(c.tokens) * (c.finish == "stop") for c in completions]
+    assert [sum(m) for _, m, _, _ in kept] == [len(c.tokens) for c in completions]
 
 
 def test_dynamic_sampling_never_returns_zero_contrast_groups(model, tokenizer):
@@ -349,7 +359,8 @@ def test_dynamic_sampling_gives_up_after_the_cap_and_counts_verifier_errors(mode
     sampling = dict(temperature=1.0, top_k=None, top_p=None)
     groups, stats = rl.sample_groups(engine, Broken(), 2, 3, 4, sampling, seed=0, max_rounds=3)
     assert groups == []  # every reward is 0: nothing to learn from, and no infinite loop
-    assert stats["rounds"] == 3 and stats["errors"] == stats["completions"] == 3 * 2 * 3
+    assert stats["rounds"] == 3 and stats["completions"] == 3 * 2 * 3
+    assert stats["errors"] == stats["completions"] - stats["truncated"] > 0  # an answer that did not stop is not scored
     assert stats["reward_sum"] == stats["correct"] == 0
 
 
