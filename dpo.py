@@ -41,6 +41,23 @@ LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo")
 STAT_NAMES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "logps/chosen",
               "logps/rejected")
 
+# Each loss type's defaults from its paper, for --beta / --gamma when the flag is not given (otherwise the preset's
+# beta, DPO's 0.1). A length-normalised margin is ~|y| times smaller than a summed one, so at beta 0.1 beta * h stays
+# near 0 and the loss never saturates: these losses need a beta ~|y| times larger.
+#   sigmoid_norm  beta 5: Tulu 3 (Lambert et al. 2024), length-normalised DPO.
+#   simpo         beta 2, gamma 1: SimPO (Meng et al. 2024) tunes beta in 2-2.5 with gamma / beta around 0.5.
+LOSS_DEFAULTS = {"sigmoid_norm": dict(beta=5.0), "simpo": dict(beta=2.0, gamma=1.0)}
+
+
+def resolve_loss_defaults(args):
+    """Fill args.beta / args.gamma left unset (None) with LOSS_DEFAULTS[args.loss_type]; returns what was filled."""
+    filled = {key: value for key, value in LOSS_DEFAULTS.get(args.loss_type, {}).items()
+              if getattr(args, key) is None}
+    for key, value in filled.items():
+        setattr(args, key, value)
+    return filled
+
+
 # Defaults per preset; explicit flags win.
 # full (8xH100, ~20-30 min for a depth-20 model): one epoch of UltraFeedback-binarized train_prefs (61k pairs, ~600
 # tokens a side): a reference pass (forward only) plus a policy pass over ~75M tokens; 8 pairs (16 sequences) per
@@ -342,10 +359,11 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, help="answers sampled per prompt for self-generated pairs")
     parser.add_argument("--temperature", type=float, help="sampling temperature of self-generated pairs")
     parser.add_argument("--loss-type", choices=LOSS_TYPES, default="sigmoid", help="see dpo_loss")
-    parser.add_argument("--beta", type=float, help="inverse temperature of the implicit reward (simpo: ~2)")
+    parser.add_argument("--beta", type=float, help="inverse temperature of the implicit reward (default per "
+                        "--loss-type, see LOSS_DEFAULTS: sigmoid_norm 5, simpo 2, else the preset's 0.1)")
     parser.add_argument("--label-smoothing", type=float, default=0.0,
                         help="assumed fraction of flipped labels (sigmoid: cDPO, robust: rDPO)")
-    parser.add_argument("--gamma", type=float, default=0.5, help="SimPO target margin")
+    parser.add_argument("--gamma", type=float, default=None, help="SimPO target margin (default 1, see LOSS_DEFAULTS)")
     parser.add_argument("--sft-weight", type=float, help="weight of the NLL of chosen answers (RPO; 0: plain DPO)")
     parser.add_argument("--live-reference", action="store_true",
                         help="keep a frozen reference model and run it every step instead of precomputing")
@@ -365,9 +383,12 @@ def main(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="build the model, pairs and optimizers, print the plan "
                         "and stop before the reference pass")
     args = parser.parse_args(argv)
+    filled = resolve_loss_defaults(args)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if filled:
+        print0(f"{args.loss_type} loss: paper defaults " + ", ".join(f"{k} {v:g}" for k, v in filled.items()))
 
     ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
     stage_start = time.time()

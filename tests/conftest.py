@@ -51,3 +51,17 @@ def scripted_model(tokenizer, transitions, scale=1.0):
             model.wte.weight[token, slot] = 1.0
             model.lm_head.weight[next_token, slot] = scale
     return model.eval()
+
+
+def ends_turn_sometimes(model, tokenizer, weight=0.6):
+    """
+    A random model that ends its turn now and then (about half its answers stop within 8 tokens at weight 0.6): a
+    constant feature in every embedding, read by the <|assistant_end|> row of the output layer. Only an answer that
+    stops can be correct (tasks.completion_reward), and a random model almost never emits <|assistant_end|>.
+    """
+    with torch.no_grad():
+        model.wte.weight[:, 0] = 10.0
+        end = tokenizer.token_id("<|assistant_end|>")
+        model.lm_head.weight[end] = 0.0
+        model.lm_head.weight[end, 0] = weight
+    return model

@@ -15,7 +15,7 @@ import dpo
 import tasks
 from engine import Engine
 from eval import completion_text
-from conftest import make_model, make_tokenizer
+from conftest import ends_turn_sometimes, make_model, make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +216,7 @@ class ParityTask:
 
 
 def test_self_generated_pairs_are_engine_tokens_one_correct_one_incorrect(tokenizer):
-    model = make_model(tokenizer).eval()
+    model = ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer)  # only an answer that stops is correct
     engine = Engine(model, tokenizer)
     task = ParityTask(12)
     indices = list(range(len(task)))
@@ -238,19 +238,22 @@ def test_self_generated_pairs_are_engine_tokens_one_correct_one_incorrect(tokeni
         for ids, mask in (chosen, rejected):
             completion = next(c for c in samples[i] if prompt + c.tokens == ids)
             assert mask == [0] * len(prompt) + completion.mask
-            verdicts.append(task.reward(task[i], completion_text(tokenizer, completion)))
+            verdicts.append(tasks.completion_reward(task, task[i], completion_text(tokenizer, completion),
+                                                    completion.finish)[0])
         assert verdicts == [1.0, 0.0]
 
 
-def test_self_generated_pairs_count_a_crashing_verifier_as_incorrect(tokenizer):
+def test_self_generated_pairs_count_a_crashing_verifier_and_pair_nothing(tokenizer):
     class Crashing(ParityTask):
         def reward(self, conversation, completion):
             raise RuntimeError("verifier bug")
 
-    engine = Engine(make_model(tokenizer).eval(), tokenizer)
-    pairs, stats = dpo.self_generated_pairs(engine, Crashing(3), [0, 1, 2], num_samples=2, max_tokens=4,
+    engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
+    pairs, stats = dpo.self_generated_pairs(engine, Crashing(3), [0, 1, 2], num_samples=4, max_tokens=4,
                                             temperature=1.0, seed=0)
-    assert pairs == [] and stats["all incorrect"] == 3 and stats["verifier errors"] == 6
+    # answers that stop crash the verifier (left out), answers that do not stop are incorrect: no correct answer
+    assert pairs == [] and stats["all incorrect"] + stats["unscored"] == 3
+    assert stats["verifier errors"] + stats["truncated"] == 12 and stats["verifier errors"] > 0
 
 
 def test_malformed_preference_rows_are_skipped_and_counted(tokenizer, tmp_path):

@@ -15,6 +15,7 @@ import torch
 
 import rl
 from common import load_model, save_checkpoint
+from conftest import ends_turn_sometimes
 from engine import Engine
 from model import GPT, GPTConfig
 from tasks import SyntheticTask, synthetic_documents
@@ -264,16 +265,7 @@ def tokenizer():
 def model(tokenizer):
     torch.manual_seed(0)  # PyTorch's default init: a random model whose samples vary
     config = GPTConfig(sequence_len=128, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
-    model = GPT(config).eval()
-    # Only an answer that stops can be correct (tasks.completion_reward), and a random model almost never emits
-    # <|assistant_end|>: a constant feature in every embedding, read by that token's output row, makes it end its
-    # turn within 8 tokens about half the time.
-    with torch.no_grad():
-        model.wte.weight[:, 0] = 10.0
-        end = tokenizer.token_id("<|assistant_end|>")
-        model.lm_head.weight[end] = 0.0
-        model.lm_head.weight[end, 0] = 0.6
-    return model
+    return ends_turn_sometimes(GPT(config).eval(), tokenizer)  # only an answer that stops can be correct
 
 
 @pytest.fixture(scope="module")
