@@ -339,3 +339,53 @@ def test_full_preset_runs_on_stand_in_hub_data(tokenizer, tmp_path, monkeypatch,
     assert "ultrafeedback                   16 rows" in out and "2 steps of 8 pairs" in out
     record = common.read_report()[-1]
     assert record["pairs"] == "ultrafeedback" and record["pairs_train"] == {"paired": 16}
+
+
+# -----------------------------------------------------------------------------
+# Issue 9: only a finished answer can be chosen, verifier errors are left out, per-loss paper defaults
+
+
+def test_truncated_answer_is_never_chosen(tokenizer):
+    class AcceptsAnything(ParityTask):
+        def reward(self, conversation, completion):
+            return 1.0
+
+    engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
+    end = tokenizer.token_id("<|assistant_end|>")
+    pairs, stats = dpo.self_generated_pairs(engine, AcceptsAnything(8), list(range(8)), num_samples=4, max_tokens=6,
+                                            temperature=1.0, seed=0)
+    # every text is "right": an answer is correct exactly when it stopped, so each pair teaches to stop
+    assert pairs and stats["truncated"] > 0
+    for (chosen, _), (rejected, _) in pairs:
+        assert chosen[-1] == end and rejected[-1] != end
+
+
+def test_verifier_error_dropped_from_pairs(tokenizer):
+    class ErrorsOnOddLengths(ParityTask):
+        def reward(self, conversation, completion):
+            if len(completion) % 2:
+                raise RuntimeError("verifier bug")
+            return float(len(completion) % 4 == 0)
+
+    engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
+    task = ErrorsOnOddLengths(16)
+    pairs, stats = dpo.self_generated_pairs(engine, task, list(range(16)), num_samples=6, max_tokens=6,
+                                            temperature=1.0, seed=0)
+    assert pairs and stats["verifier errors"] > 0
+    end = tokenizer.token_id("<|assistant_end|>")
+    for ids, mask in (side for pair in pairs for side in pair):  # no side is an answer the verifier failed on
+        answer = [i for i, m in zip(ids, mask) if m]
+        if answer[-1] == end:  # a finished answer (a cut one is never verified): its text has an even length
+            assert len(tokenizer.decode(answer[:-1])) % 2 == 0
+
+
+def test_loss_kind_paper_defaults():
+    def resolved(loss_type, **flags):
+        args = argparse.Namespace(loss_type=loss_type, **{"beta": None, "gamma": None, **flags})
+        dpo.resolve_loss_defaults(args)
+        return args.beta, args.gamma
+
+    assert resolved("sigmoid_norm") == (5.0, None)  # Tulu 3's length-normalised DPO
+    assert resolved("simpo") == (2.0, 1.0)  # SimPO: beta 2-2.5, gamma / beta ~0.5
+    assert resolved("sigmoid") == (None, None)  # the preset's beta (0.1) fills it
+    assert resolved("simpo", beta=2.5) == (2.5, 1.0)  # explicit flags win

@@ -361,3 +361,17 @@ def test_cli_multiple_choice_from_local_files(trained_model, tokenizer, tmp_path
     with pytest.raises(FileNotFoundError, match="mmlu"):
         ev.main(["--stage", "base", "--ckpt", str(tmp_path / "ckpt"), "--tasks", "mmlu",
                  "--data-dir", str(tmp_path / "data")])
+
+
+def test_truncated_answer_is_not_correct_in_pass_at_k(tokenizer):
+    # The budget holds "#### 24" but not the <|assistant_end|> after it: the right text, never a finished answer.
+    engine = Engine(answer_24_model(tokenizer), tokenizer)
+    task, indices = SyntheticTask("test", size=NUM_PROBLEMS), list(range(NUM_PROBLEMS))
+    budget = len(tokenizer.encode("#### 24"))
+    cut = ev.evaluate_generative(engine, task, indices, num_samples=2, ks=(1, 2), max_tokens=budget,
+                                 temperature=0.0, batch_size=16)
+    assert cut["correct"].tolist() == [0] * NUM_PROBLEMS and cut["pass@1"] == cut["pass@2"] == 0.0
+    assert cut["truncated"] == 2 * NUM_PROBLEMS and cut["errors"] == 0
+    stopped = ev.evaluate_generative(engine, task, indices, num_samples=2, ks=(1, 2), max_tokens=budget + 1,
+                                     temperature=0.0, batch_size=16)
+    assert stopped["correct"].tolist() == expected_correct(2) and stopped["truncated"] == 0

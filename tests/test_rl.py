@@ -15,8 +15,9 @@ import torch
 
 import rl
 from common import load_model, save_checkpoint
-from conftest import ends_turn_sometimes
+from conftest import ends_turn_sometimes, scripted_model
 from engine import Engine
+from eval import completion_text
 from model import GPT, GPTConfig
 from tasks import SyntheticTask, synthetic_documents
 from tokenizer import Tokenizer
@@ -459,3 +460,172 @@ def test_torchrun_two_ranks_end_with_identical_weights(tmp_path, checkpoint):
     initial, _, _ = load_model(checkpoint, "cpu")
     assert meta["finished"]
     assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), initial.state_dict().values()))
+
+
+# -----------------------------------------------------------------------------
+# Issue 9: only a finished answer is a success, ratios that cannot overflow, errors are not wrong answers
+
+
+class AcceptsAnything(LengthParity):
+    """A verifier that accepts every text: whatever separates two answers is how they ended."""
+
+    def reward(self, conversation, completion):
+        return 1.0
+
+
+def test_truncated_answer_is_not_correct_in_rollouts(model, tokenizer):
+    engine = Engine(model, tokenizer)
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    groups, stats = rl.sample_groups(engine, AcceptsAnything(), 4, 4, 6, sampling, seed=0, max_rounds=3)
+    assert groups and stats["truncated"] > 0
+    for group in groups:  # every text is "right": the reward is 1 exactly for the answers that stopped
+        assert group["rewards"] == [float(c.finish == "stop") for c in group["completions"]]
+
+
+def two_length_model(tokenizer):
+    """
+    A scripted model whose answers always stop and are always 'right' to AcceptsAnything, in 2 or 3 tokens with
+    probability ~1/2 each: <|assistant_start|> -> a -> (<|assistant_end|> | b -> <|assistant_end|>).
+    """
+    start, end = tokenizer.token_id("<|assistant_start|>"), tokenizer.token_id("<|assistant_end|>")
+    a, b = 100, 101
+    model = scripted_model(tokenizer, {start: a, a: end, b: end}, scale=2.0)
+    with torch.no_grad():
+        model.lm_head.weight[b, 2] = 2.0  # a (slot 2) leads to b as strongly as to <|assistant_end|>
+    return model
+
+
+def test_zero_contrast_uses_verifier_outcome(tokenizer):
+    engine = Engine(two_length_model(tokenizer), tokenizer)
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    # max_tokens 4, buffer 2: a 3-token answer loses 0.5, a 2-token one nothing. Every answer is right, so no group
+    # has contrast, however the lengths differ.
+    groups, stats = rl.sample_groups(engine, AcceptsAnything(), 4, 4, 4, sampling, seed=0, max_rounds=2,
+                                     overlong_buffer=2)
+    assert stats["truncated"] == 0 and stats["correct"] == stats["completions"] == 32
+    assert groups == [] and stats["zero_contrast"] == stats["groups"] == 8
+    # Without the filter the shaped rewards are what the advantages see, length differences included.
+    unfiltered, _ = rl.sample_groups(engine, AcceptsAnything(), 4, 4, 4, sampling, seed=0, filter_zero_contrast=False,
+                                     overlong_buffer=2)
+    assert {r for g in unfiltered for r in g["rewards"]} == {1.0, 0.5}
+    # What the filter prevents (the issue's numbers): std scaling blows a 1/64 length penalty up to full size.
+    close(rl.group_advantages(torch.tensor([1.0] * 7 + [1 - 1 / 64]), 8), [0.378] * 7 + [-2.6457], atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", rl.LOSS_KINDS)
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+@pytest.mark.parametrize("mismatch", ["none", "tis", "mask"])
+def test_policy_loss_finite_at_extreme_ratios(kind, advantage, mismatch):
+    # old log-prob at the floor, new one at -2: log-ratio 98, exp(98) overflows float32
+    logp = leaf([[-2.0], [-1.0]])
+    old = torch.tensor([[rl.LOGP_FLOOR], [-1.0]])
+    weights = rl.mismatch_weights(logp, old, mismatch)
+    assert torch.isfinite(weights).all()
+    loss, stats = rl.policy_loss(logp, old, torch.tensor([advantage, advantage]), torch.ones(2, 1), kind=kind,
+                                 weights=weights, dual_clip=3.0 if kind in ("ppo", "gspo") else None)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), (loss, logp.grad)
+    assert stats["ratio_max"] <= math.exp(rl.LOG_RATIO_CLAMP) * (1 + 1e-5)
+
+
+def test_kl_reference_untruncated(monkeypatch, tmp_path, checkpoint):
+    # --top-k 20 truncates what the engine samples from; the KL compares the untruncated temperature-scaled
+    # distributions (a token outside the reference's top-20 would otherwise get ref_logp = LOGP_FLOOR, k2 ~ 5e3).
+    scored, compared = [], []
+    token_logprobs, kl_penalty = rl.token_logprobs, rl.kl_penalty
+
+    def spy_logprobs(model, inputs, targets, sampling):
+        if not next(model.parameters()).requires_grad:  # the frozen reference model
+            scored.append(dict(sampling))
+        return token_logprobs(model, inputs, targets, sampling)
+
+    def spy_kl(logp, ref_logp, kind="k2"):
+        compared.append((logp.detach(), ref_logp))
+        return kl_penalty(logp, ref_logp, kind)
+
+    monkeypatch.setattr(rl, "token_logprobs", spy_logprobs)
+    monkeypatch.setattr(rl, "kl_penalty", spy_kl)
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "1", "--eval-every", "1", "--kl-coef", "0.1",
+           "--top-k", "20", "--temperature", "0.9")
+    assert scored and all(s == {"temperature": 0.9, "top_k": None, "top_p": None} for s in scored)
+    assert compared
+    for logp, ref_logp in compared:  # before the first update the policy is the reference, scored the same way
+        torch.testing.assert_close(logp, ref_logp)
+
+
+def test_verifier_error_dropped_from_training(model, tokenizer):
+    # group_advantages over the valid members: rewards [1, 0, (error), 1] -> mean 2/3, population std sqrt(2) / 3
+    rewards, valid = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]), torch.tensor([1, 1, 0, 1, 0, 0, 0, 1])
+    s = math.sqrt(2) / 3
+    close(rl.group_advantages(rewards, 4, valid=valid.bool()), [1 / 3 / s, -2 / 3 / s, 0, 1 / 3 / s, 0, 0, 0, 0])
+    close(rl.group_advantages(rewards, 4, scale="none", baseline="loo", valid=valid.bool()),
+          [1 / 2, -1, 0, 1 / 2, 0, 0, 0, 0])  # loo: against the mean of the other valid members
+    # learner_rows: an errored completion is not trained on, and its group's baseline is the others'
+    engine = Engine(model, tokenizer)
+    prompt = tokenizer.render_for_completion(SyntheticTask("train", size=1)[0])
+    (completions,) = engine.generate([prompt], num_samples=4, max_tokens=6, seed=0)
+    group = {"prompt": prompt, "completions": completions, "rewards": [1.0, 0.0, 0.0, 1.0],
+             "errors": [False, False, True, False]}
+    rows = rl.learner_rows([group], 4, "std", "mean", mask_truncated=False)
+    assert [sum(mask) for _, mask, _, _ in rows] == [len(c.tokens) * (j != 2) for j, c in enumerate(completions)]
+    close([a for *_, a in rows], [1 / 3 / s, -2 / 3 / s, 0, 1 / 3 / s])
+
+    # sample_groups: contrast among the scored completions only; the errors travel with the group
+    class ErrorsOnOddLengths(LengthParity):
+        def reward(self, conversation, completion):
+            if len(completion) % 2:
+                raise RuntimeError("verifier bug")
+            return float(len(completion) % 4 == 0)
+
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    groups, stats = rl.sample_groups(engine, ErrorsOnOddLengths(), 4, 6, 8, sampling, seed=0, max_rounds=4)
+    assert stats["errors"] > 0 and groups
+    for g in groups:
+        assert g["errors"] == [c.finish == "stop" and len(completion_text(tokenizer, c)) % 2 == 1
+                               for c in g["completions"]]
+        assert len({r for r, e in zip(g["rewards"], g["errors"]) if not e}) == 2
+
+
+def test_loss_kind_paper_defaults(capsys):
+    args = rl.parse_args(["--loss", "gspo"])
+    assert (args.eps_low, args.eps_high, args.loss_agg) == (3e-4, 4e-4, "seq-mean-token-mean")
+    assert "paper defaults eps_low 0.0003, eps_high 0.0004, loss_agg seq-mean-token-mean" in capsys.readouterr().out
+    args = rl.parse_args(["--loss", "cispo"])
+    assert (args.eps_low, args.eps_high, args.loss_agg) == (1.0, 0.28, "token-mean")  # no lower bound: 1 - 1 = 0
+    args = rl.parse_args([])
+    assert (args.loss, args.eps_low, args.eps_high, args.loss_agg) == ("ppo", 0.2, 0.28, "token-mean")
+    args = rl.parse_args(["--loss", "gspo", "--eps-high", "0.01", "--loss-agg", "token-mean"])  # explicit flags win
+    assert (args.eps_low, args.eps_high, args.loss_agg) == (3e-4, 0.01, "token-mean")
+
+
+def test_step_prompts_without_replacement(model, tokenizer):
+    # 12 prompts, 2 ranks x 2 rounds x 3 groups: one step uses each prompt once, on one rank, in one round.
+    # max_tokens 1: nothing stops, every group has no contrast, so both rounds run.
+    drawn = []
+    for rank in range(2):
+        engine = Engine(model, tokenizer)
+        generate = engine.generate
+        engine.generate = lambda prompts, **kw: drawn.extend(map(tuple, prompts)) or generate(prompts, **kw)
+        _, stats = rl.sample_groups(engine, LengthParity(size=12), 3, 2, 1, dict(temperature=1.0), seed=7,
+                                    max_rounds=2, rank=rank, world_size=2)
+        assert stats["rounds"] == 2
+    assert len(drawn) == 12 and len(set(drawn)) == 12
+
+
+def test_pg_refuses_several_updates_per_batch():
+    for flags in (["--epochs", "2"], ["--minibatches", "2"]):
+        with pytest.raises(ValueError, match="on-policy"):
+            rl.parse_args(["--loss", "pg", *flags])
+    rl.parse_args(["--loss", "ppo", "--epochs", "2", "--minibatches", "2"])
+
+
+def test_dual_clip_must_exceed_one_and_is_counted_as_clipped():
+    for c in (1.0, 0.5):
+        with pytest.raises(ValueError, match="dual"):
+            rl.parse_args(["--dual-clip", str(c)])
+        with pytest.raises(ValueError, match="dual_clip"):
+            rl.policy_loss(leaf([[0.0]]), torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), dual_clip=c)
+    # ratio 4 with A < 0 under dual clip 3: the loss is the constant 3, no gradient: a clipped token
+    logp = leaf([[math.log(4.0)], [math.log(1.5)]])
+    _, stats = rl.policy_loss(logp, torch.zeros(2, 1), torch.tensor([-1.0, -1.0]), torch.ones(2, 1), dual_clip=3.0)
+    assert stats["clip_high"] == 0.5 and stats["clip_low"] == 0.0

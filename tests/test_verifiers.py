@@ -9,7 +9,9 @@ import time
 import pytest
 
 import rl
+import tasks
 from engine import Completion
+from eval import completion_text
 from tasks import GSM8K, SyntheticTask, canonical_number, exact_match_reward, safe_reward
 from tokenizer import Tokenizer
 
@@ -138,3 +140,21 @@ def test_gsm8k_verifier_from_a_local_file(tmp_path):
     assert task.reward(conversation, "#### 1012\n#### 1012") == 0.0
     assert task.reward(conversation, "The answer is 1012.") == 0.0
     assert task.reward(conversation, "#### 101,2") == 0.0
+
+
+# -----------------------------------------------------------------------------
+# Only a finished answer is a success (tasks.completion_reward, the one rule every stage scores by)
+
+
+def test_truncated_answer_is_not_correct(tokenizer):
+    stopped = completion_of(tokenizer, "#### 42")
+    # the same text, written just before the budget ran out: it never ended its turn
+    cut = Completion(tokens=stopped.tokens[:-1], mask=stopped.mask[:-1], logprobs=stopped.logprobs[:-1],
+                     finish="length")
+    assert completion_text(tokenizer, cut) == completion_text(tokenizer, stopped) == "#### 42"
+    rewards, errors = rl.score_group(FlakyTask(), {"answer": "42"}, [stopped, cut], tokenizer)
+    assert rewards == [1.0, 0.0] and errors == [False, False]
+    assert tasks.completion_reward(FlakyTask(), {"answer": "42"}, "#### 42", "stop") == (1.0, False)
+    assert tasks.completion_reward(FlakyTask(), {"answer": "42"}, "#### 42", "length") == (0.0, False)
+    # the verifier is not even asked about a cut answer: it cannot crash on it either
+    assert tasks.completion_reward(FlakyTask(), {"answer": "42"}, "boom #### 42", "length") == (0.0, False)
