@@ -514,7 +514,9 @@ def parse_args(argv=None):
         help="cap the loss of negative-advantage tokens at -c A, c > 1 (e.g. 3; ppo and gspo)")
     add("--loss-agg", choices=AGGREGATIONS, default=None,
         help="how token losses are averaged (default per --loss: token-mean, gspo seq-mean-token-mean)")
-    add("--kl-coef", type=float, default=0.0, help="KL(pi || pi_ref) penalty weight; 0 loads no reference model")
+    add("--kl-coef", type=float, default=0.0,
+        help="KL(pi || pi_ref) penalty weight, on the untruncated temperature-scaled distributions even with "
+             "--top-k/--top-p (reference_sampling); 0 loads no reference model")
     add("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see kl_penalty)")
     add("--mismatch", choices=["none", "tis", "mask"], default="tis",
         help="engine/trainer log-prob mismatch correction (see mismatch_weights)")
