@@ -1,3 +1,5 @@
+import socket
+
 import torch
 
 import tasks
@@ -6,6 +8,14 @@ from tokenizer import Tokenizer
 
 # Two cores on CI: one intra-op thread per test process keeps timings predictable (torchrun tests start two).
 torch.set_num_threads(1)
+
+
+def free_port():
+    """A TCP port free right now on localhost, for torchrun's --master-port: a fixed port collides with any other
+    run (a parallel CI job, a leftover process) that holds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # -----------------------------------------------------------------------------
