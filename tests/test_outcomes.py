@@ -80,7 +80,8 @@ def test_sft_generation_check_on_a_model_that_always_answers_5(tokenizer, monkey
     assert metrics["verifier_errors"] == 0
 
 
-def test_chat_cli_prompt_prints_the_greedy_completion(tokenizer, tool_model, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_chat_cli_prompt_prints_the_greedy_completion(tokenizer, tool_model, tmp_path, monkeypatch,  # noqa: F811
+                                                     capsys):
     common.save_checkpoint(tmp_path, 1, tool_model, {"stage": "sft"}, tokenizer=tokenizer)
     monkeypatch.setattr(sys, "argv", ["engine.py", "--ckpt", str(tmp_path), "--prompt", "What is 2+3?",
                                       "--temperature", "0", "--device", "cpu", "--max-tokens", "32"])
