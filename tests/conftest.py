@@ -1,3 +1,6 @@
+import socket
+
+import pytest
 import torch
 
 import tasks
@@ -6,6 +9,30 @@ from tokenizer import Tokenizer
 
 # Two cores on CI: one intra-op thread per test process keeps timings predictable (torchrun tests start two).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """
+    No test reaches the network: a connection to anything but this machine fails at once with a clear message
+    (loopback stays open, for torchrun). Subprocesses are not covered; the tests that start one keep it offline.
+    """
+    real_connect = socket.socket.connect
+
+    def connect(self, address):
+        if isinstance(address, tuple) and address[0] not in ("127.0.0.1", "::1", "localhost"):
+            raise OSError(f"a test tried to reach {address}: tests must run offline (use local files)")
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+
+
+def free_port():
+    """A TCP port free right now on localhost, for torchrun's --master-port: a fixed port collides with any other
+    run (a parallel CI job, a leftover process) that holds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # -----------------------------------------------------------------------------

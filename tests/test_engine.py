@@ -3,7 +3,6 @@ import math
 import random
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -111,10 +110,9 @@ def test_calculator_values(expr, expected):
     ("1" * 10_000, "longer than"), ("(" * 1000, "longer than"), ("(" * 199, "invalid"), ("", "invalid"),
     ("2+", "invalid"), ("import os", "invalid"), ("1\x002", "invalid"),
 ])
-def test_calculator_refuses_fast(expr, reason):
-    t0 = time.perf_counter()
+def test_calculator_refuses(expr, reason):
+    # How fast it refuses is a timing, measured by bench/calculator.py, not asserted here (no wall-clock in tests).
     result = calculator(expr)
-    assert time.perf_counter() - t0 < 0.5
     assert result.startswith("error:") and reason in result, result
 
 

@@ -257,3 +257,14 @@ def test_torchrun_two_processes_match_one_process_with_accumulation(home):
     assert sorted(single) == list(range(6)) and single[5] < single[0] - 1.0
     assert ddp.keys() == single.keys()
     assert all(ddp[s] == pytest.approx(single[s], rel=1e-4) for s in single)
+    # Not just the printed losses: the final weights, tensor by tensor, and the validation bits-per-byte (each rank
+    # evaluates its half of the validation rows; the all-reduce must add up to the single process's number).
+    state_single, meta_single, _ = common.load_checkpoint(home / "single")
+    state_ddp, meta_ddp, _ = common.load_checkpoint(home / "ddp")
+    assert state_single.keys() == state_ddp.keys()
+    for key in state_single:
+        torch.testing.assert_close(state_ddp[key], state_single[key], rtol=1e-4, atol=1e-5, msg=key)
+    record_single, record_ddp = common.read_report()[-2:]
+    assert (record_single["world_size"], record_ddp["world_size"]) == (1, 2)
+    assert record_ddp["val_bpb"] == pytest.approx(record_single["val_bpb"], rel=1e-5)
+    assert meta_ddp["val_bpb"] == record_ddp["val_bpb"]

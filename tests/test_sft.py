@@ -20,7 +20,7 @@ import torch
 import common
 import sft
 import tasks
-from conftest import make_model, make_tokenizer, scripted_model
+from conftest import free_port, make_model, make_tokenizer, scripted_model
 
 
 
@@ -191,7 +191,7 @@ def test_ddp_normalisation_matches_single_process(tokenizer, tmp_path):
     out = tmp_path / "ddp.pt"
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-port=29517",
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
                     str(Path(__file__).resolve()), str(out)], check=True, env=env, timeout=300, cwd=root)
     result = torch.load(out, weights_only=True)
 

@@ -137,11 +137,17 @@ def test_load_missing_dir(tmp_path):
 
 
 def test_cli_trains_saves_and_reports(tmp_path):
-    env = {**os.environ, "NANOPOST_HOME": str(tmp_path)}
+    # Offline on purpose: the CLI compares against gpt2/cl100k_base only when tiktoken can fetch them. An empty
+    # tiktoken cache and a proxy that refuses every connection make that fetch fail at once, so it is skipped.
+    proxies = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy")
+    env = {**{k: v for k, v in os.environ.items() if k not in proxies}, "NANOPOST_HOME": str(tmp_path),
+           "TIKTOKEN_CACHE_DIR": str(tmp_path / "tiktoken-cache"),
+           **dict.fromkeys(("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"), "http://127.0.0.1:9")}
     command = [sys.executable, str(REPO / "tokenizer.py"), "--preset", "tiny", "--max-chars", "100000", "--vocab-size", "300"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert "bytes/token" in result.stdout
+    assert "gpt2" not in result.stdout and "cl100k" not in result.stdout  # nothing was downloaded
     tok = Tokenizer.load(tmp_path / "tokenizer")
     assert tok.vocab_size == 300
     assert tok.decode(tok.encode("What is 12 + 7?")) == "What is 12 + 7?"

@@ -1,0 +1,111 @@
+"""
+Resume is bit-exact in every chat stage: a run killed after a mid-run checkpoint (--save-every 1) and resumed with
+--resume ends with weights torch.equal to an uninterrupted run's, and the two report records agree (all but the
+time stamp and the wall-clock seconds). Pretraining's own check is test_pretrain.test_resume_is_bit_exact.
+
+The kill: the stage's Logger raises when it is handed the metrics of step `kill_at`, after that step's update and
+before its checkpoint, so the last checkpoint on disk is step kill_at - 1 and the resumed run redoes step kill_at.
+"""
+
+import pytest
+import torch
+
+import common
+import dpo
+import rl
+import sft
+from conftest import make_model, make_tokenizer
+from test_rl import LengthParity
+
+
+class Killed(Exception):
+    pass
+
+
+def killing_logger(kill_at):
+    class KillingLogger(common.Logger):
+        def log(self, metrics, step):
+            if step == kill_at:
+                raise Killed(f"killed at step {step}")
+            super().log(metrics, step)
+
+    return KillingLogger
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+def run_killed_and_resumed(main, argv, out, kill_at, monkeypatch, module):
+    """Run main(argv) killed at step kill_at, then main(argv + --resume); returns the resumed run's output dir."""
+    logger = module.Logger
+    monkeypatch.setattr(module, "Logger", killing_logger(kill_at))
+    with pytest.raises(Killed):
+        main(argv)
+    latest = common.load_checkpoint(out)[1]
+    assert latest["step"] == kill_at - 1 and not latest["finished"]  # a mid-run checkpoint exists, the end does not
+    monkeypatch.setattr(module, "Logger", logger)
+    main(argv + ["--resume"])
+
+
+def assert_same_run(out_a, out_b):
+    state_a, meta_a, _ = common.load_checkpoint(out_a)
+    state_b, meta_b, _ = common.load_checkpoint(out_b)
+    assert meta_a["finished"] and meta_b["finished"] and meta_a["step"] == meta_b["step"]
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        assert torch.equal(state_a[key], state_b[key]), key
+    record_a, record_b = common.read_report()[-2:]  # the uninterrupted run's, then the resumed run's
+    drop = lambda record: {k: v for k, v in record.items() if k not in ("time", "seconds")}  # noqa: E731
+    assert drop(record_a) == drop(record_b)
+
+
+SFT_ARGS = ["--preset", "tiny", "--device", "cpu", "--train-rows", "48", "--batch-size", "16",
+            "--device-batch-size", "8", "--eval-rows", "16", "--check-problems", "4", "--check-samples", "2",
+            "--max-new-tokens", "16", "--eval-every", "2", "--save-every", "1"]
+
+
+def test_sft_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    base = tmp_path / "base"
+    common.save_checkpoint(base, 1, make_model(tokenizer), {"stage": "base"}, tokenizer=tokenizer)
+    argv = SFT_ARGS + ["--ckpt", str(base)]
+    sft.main(argv + ["--out", str(tmp_path / "a")])
+    run_killed_and_resumed(sft.main, argv + ["--out", str(tmp_path / "b")], tmp_path / "b", 2, monkeypatch, common)
+    assert "resuming from step 1" in capsys.readouterr().out
+    assert_same_run(tmp_path / "a", tmp_path / "b")
+
+
+DPO_ARGS = ["--device", "cpu", "--pairs", "synthetic", "--train-pairs", "32", "--eval-pairs", "16",
+            "--batch-size", "16", "--device-batch-size", "8", "--epochs", "2", "--lr-frac", "0.3", "--beta", "0.1",
+            "--check-problems", "4", "--check-samples", "1", "--max-new-tokens", "8", "--eval-every", "2",
+            "--sft-weight", "0.5", "--save-every", "1"]
+
+
+def test_dpo_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    ckpt = tmp_path / "sft"
+    common.save_checkpoint(ckpt, 1, make_model(tokenizer), {"stage": "sft"}, tokenizer=tokenizer)
+    argv = DPO_ARGS + ["--ckpt", str(ckpt)]
+    dpo.main(argv + ["--out", str(tmp_path / "a")])
+    run_killed_and_resumed(dpo.main, argv + ["--out", str(tmp_path / "b")], tmp_path / "b", 2, monkeypatch, common)
+    assert "resuming from step 1" in capsys.readouterr().out
+    assert_same_run(tmp_path / "a", tmp_path / "b")
+
+
+RL_ARGS = ["--preset", "tiny", "--device", "cpu", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8",
+           "--eval-problems", "4", "--eval-samples", "2", "--device-batch-size", "5", "--num-steps", "3",
+           "--save-every", "1", "--eval-every", "2", "--epochs", "2", "--minibatches", "2"]
+
+
+def test_rl_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    monkeypatch.setattr(rl, "load_task", lambda name, split, size: LengthParity(split, size=64))
+    ckpt = tmp_path / "dpo"
+    common.save_checkpoint(ckpt, 0, make_model(tokenizer).eval(), {"stage": "dpo"}, tokenizer=tokenizer)
+    argv = RL_ARGS + ["--ckpt", str(ckpt)]
+    rl.main(argv + ["--out", str(tmp_path / "a")])
+    run_killed_and_resumed(rl.main, argv + ["--out", str(tmp_path / "b")], tmp_path / "b", 2, monkeypatch, rl)
+    assert "resuming at step 1" in capsys.readouterr().out
+    assert_same_run(tmp_path / "a", tmp_path / "b")
