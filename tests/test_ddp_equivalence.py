@@ -50,7 +50,8 @@ def install(groups_path, which, record):
 
     def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed, **kwargs):
         drawn, stats = real_sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed,
-                                          filter_zero_contrast=False, max_rounds=1)
+                                          filter_zero_contrast=False, max_rounds=1, rank=kwargs.get("rank", 0),
+                                          world_size=kwargs.get("world_size", 1))
         record["prompts"] = [g["prompt"] for g in drawn]
         return groups, stats
 

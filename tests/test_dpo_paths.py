@@ -13,7 +13,7 @@ import torch
 import common
 import dpo
 import tasks
-from conftest import make_model, make_tokenizer
+from conftest import ends_turn_sometimes, make_model, make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ TINY = ["--preset", "tiny", "--device", "cpu", "--train-pairs", "48", "--eval-pa
 def test_tiny_preset_default_path_self_generated_pairs_through_main(tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     monkeypatch.setattr(dpo, "eval_task", lambda name, split, size, seed: ParityTask(split, size))
-    model = make_model(tokenizer)
+    model = ends_turn_sometimes(make_model(tokenizer), tokenizer)  # only an answer that stops can be chosen
     common.save_checkpoint(tmp_path / "checkpoints" / "sft", 1, model, {"stage": "sft"}, tokenizer=tokenizer)
     # Prompts of 13-14 tokens and of 40-51 (x 11 of 48), answers of <= 10: pairs of the long prompts are too long.
     task = ParityTask("train", 48)
