@@ -6,8 +6,8 @@ Serve a chat checkpoint: an OpenAI-compatible HTTP API and a web chat page, stan
          -d '{"messages": [{"role": "user", "content": "What is 17 + 25?"}]}'
 
 Endpoints: POST /v1/chat/completions (OpenAI's schema: messages, temperature, top_p, max_tokens or
-max_completion_tokens, seed, n, stream; with stream: true, server-sent events in OpenAI's chunk format ending with
-`data: [DONE]`), GET /v1/models, GET /health (status and the batching counters), GET / (the chat page).
+max_completion_tokens, seed, n, stream, stream_options.include_usage; with stream: true, server-sent events in
+OpenAI's chunk format ending with `data: [DONE]`), GET /v1/models, GET /health (status and the batching counters), GET / (the chat page).
 Extensions to OpenAI's request: `top_k` (an int), and `raw_tokens: true`, which returns a calculator call as the
 special tokens the model wrote (<|python_start|>17+25<|python_end|><|output_start|>42<|output_end|>) instead of
 the readable `[calculator: 17+25 → 42]` (engine.readable_reply). An assistant turn sent back may keep its tool
@@ -93,7 +93,8 @@ def _number(body, key, default, low, high, integer=False):
 
 def parse_request(body, tokenizer, context, limits):
     """
-    The Job, stream flag and raw_tokens flag of a decoded request body; ApiError(400) naming what is wrong.
+    The Job and the flags (stream, raw_tokens, include_usage) of a decoded request body; ApiError(400) naming
+    what is wrong.
     context: the model's context length (prompt + max_tokens must fit). limits: the server's settings.
     """
     if not isinstance(body, dict):
@@ -131,12 +132,16 @@ def parse_request(body, tokenizer, context, limits):
                         top_p=_number(body, "top_p", None, 1e-9, 1),
                         seed=_number(body, "seed", None, -2**63, 2**64 - 1, integer=True))
     n = _number(body, "n", 1, 1, limits.max_n, integer=True)
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise ApiError(400, "'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
     flags = {}
-    for flag in ("stream", "raw_tokens"):
-        flags[flag] = body.get(flag, False)
+    for flag, value in (("stream", body.get("stream")), ("raw_tokens", body.get("raw_tokens")),
+                        ("include_usage", stream_options.get("include_usage"))):
+        flags[flag] = False if value is None else value
         if not isinstance(flags[flag], bool):
-            raise ApiError(400, f"'{flag}' must be true or false, got {json.dumps(flags[flag])}", flag)
-    return Job(prompt, n, max_tokens, sampling), flags["stream"], flags["raw_tokens"]
+            raise ApiError(400, f"'{flag}' must be true or false, got {json.dumps(value)}", flag)
+    return Job(prompt, n, max_tokens, sampling), flags
 
 
 # -----------------------------------------------------------------------------
@@ -166,8 +171,9 @@ class Worker:
 
     def next_batch(self):
         """
-        The oldest waiting job and every later one that can share its batch: the same n (the engine decodes
-        num_samples rows per prompt), at most max_batch rows, and within the positions the model has.
+        The oldest waiting job (alone if its n exceeds max_batch) and every later one that can share its batch: the
+        same n (the engine decodes num_samples rows per prompt), at most max_batch rows, and within the positions
+        the model has.
         None once stopping.
         """
         with self.lock:
@@ -275,13 +281,16 @@ class Handler(BaseHTTPRequestHandler):
         if self.path != "/v1/chat/completions":
             return self.send_error_json(ApiError(404, f"no route POST {self.path}; try /v1/chat/completions"))
         try:
-            job, stream, raw = self.read_request()
+            job, flags = self.read_request()
             self.server.worker.submit(job)
         except ApiError as e:
             return self.send_error_json(e)
-        self.reply_text = self.raw_reply if raw else readable_reply
+        self.reply_text = self.raw_reply if flags["raw_tokens"] else readable_reply
         try:
-            (self.stream if stream else self.complete)(job)
+            if flags["stream"]:
+                self.stream(job, flags["include_usage"])
+            else:
+                self.complete(job)
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
             job.cancelled = True  # the worker finishes its rows at the next step
 
@@ -339,12 +348,10 @@ class Handler(BaseHTTPRequestHandler):
         tokenizer = self.server.engine.tokenizer
         choices = [{"index": s, "message": {"role": "assistant", "content": self.reply_text(tokenizer, tokens[s])},
                     "logprobs": None, "finish_reason": finishes[s]} for s in range(job.n)]
-        completion_tokens = sum(map(len, tokens))
         self.send_json(200, {**self.response_header(), "object": "chat.completion", "choices": choices,
-                             "usage": {"prompt_tokens": len(job.prompt), "completion_tokens": completion_tokens,
-                                       "total_tokens": len(job.prompt) + completion_tokens}})
+                             "usage": usage(job, tokens)})
 
-    def stream(self, job):
+    def stream(self, job, include_usage):
         header = {**self.response_header(), "object": "chat.completion.chunk"}
 
         def send(payload):
@@ -376,7 +383,15 @@ class Handler(BaseHTTPRequestHandler):
                     shown[s] = text
                 if new and finish is not None:
                     chunk(s, {}, finish)
+        if include_usage:  # OpenAI's stream_options: a last chunk with no choices and the token counts
+            send({**header, "choices": [], "usage": usage(job, tokens)})
         send(b"[DONE]")
+
+
+def usage(job, tokens):
+    completion_tokens = sum(map(len, tokens))
+    return {"prompt_tokens": len(job.prompt), "completion_tokens": completion_tokens,
+            "total_tokens": len(job.prompt) + completion_tokens}
 
 
 def make_server(engine, device="cpu", host="127.0.0.1", port=8000, model_name="nanopost", max_queue=64,
@@ -386,7 +401,7 @@ def make_server(engine, device="cpu", host="127.0.0.1", port=8000, model_name="n
     server.engine, server.model_name, server.quiet, server.started = engine, model_name, quiet, int(time.time())
     server.limits = argparse.Namespace(max_tokens=max_tokens, max_n=max_n, max_body=max_body,
                                        temperature=temperature, top_k=top_k)
-    server.worker = Worker(engine, device, max_queue, max(max_batch, max_n))
+    server.worker = Worker(engine, device, max_queue, max_batch)
     return server
 
 

@@ -123,9 +123,10 @@ def test_completion_schema(server):
 def test_streamed_text_equals_non_streamed(server, seed):
     body = {"messages": USER, "max_tokens": 40, "n": 2, "seed": seed, "temperature": 1.0, "top_k": None}
     whole = chat(server, **body)
-    chunks = stream(server, **body)
+    *chunks, last = stream(server, **body, stream_options={"include_usage": True})
     assert {chunk["id"] for chunk in chunks} == {chunks[0]["id"]}
     assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+    assert (last["choices"], last["usage"]) == ([], whole["usage"])
     for choice in whole["choices"]:
         mine = [chunk["choices"][0] for chunk in chunks if chunk["choices"][0]["index"] == choice["index"]]
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
