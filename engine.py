@@ -9,6 +9,8 @@ num_samples rows; then every row of every prompt decodes together, one token per
 position. A row stops at <|assistant_end|> (or <|bos|>) or after max_tokens tokens. When a row closes a calculator
 call <|python_start|>expr<|python_end|>, the engine evaluates expr and forces <|output_start|>result<|output_end|>
 into that row, one token per step, with mask 0 (the model never chose them, so RL must not train on them).
+Engine.generate_steps is the same loop, step by step, with one Sampling (settings and seed) per prompt: serve.py
+decodes concurrent requests together with it.
 """
 
 import argparse

@@ -242,6 +242,7 @@ class Worker:
 
 class Handler(BaseHTTPRequestHandler):
     server_version = "nanopost"
+    timeout = 60  # seconds a socket read or write may block: a stalled client cannot hold a thread forever
 
     def log_message(self, format, *args):
         if not self.server.quiet:
@@ -291,7 +292,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.stream(job, flags["include_usage"])
             else:
                 self.complete(job)
-        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
+        except OSError:  # the client went away (or stalled past `timeout`): nobody reads the rest
             job.cancelled = True  # the worker finishes its rows at the next step
 
     def read_request(self):
