@@ -7,7 +7,8 @@ Serve a chat checkpoint: an OpenAI-compatible HTTP API and a web chat page, stan
 
 Endpoints: POST /v1/chat/completions (OpenAI's schema: messages, temperature, top_p, max_tokens or
 max_completion_tokens, seed, n, stream, stream_options.include_usage; with stream: true, server-sent events in
-OpenAI's chunk format ending with `data: [DONE]`), GET /v1/models, GET /health (status and the batching counters), GET / (the chat page).
+OpenAI's chunk format ending with `data: [DONE]`), GET /v1/models, GET /health (status and the batching
+counters), GET / (the chat page).
 Extensions to OpenAI's request: `top_k` (an int), and `raw_tokens: true`, which returns a calculator call as the
 special tokens the model wrote (<|python_start|>17+25<|python_end|><|output_start|>42<|output_end|>) instead of
 the readable `[calculator: 17+25 → 42]` (engine.readable_reply). An assistant turn sent back may keep its tool
@@ -60,7 +61,7 @@ class Job:
 
     def __init__(self, prompt, n, max_tokens, sampling):
         self.prompt, self.n, self.max_tokens, self.sampling = prompt, n, max_tokens, sampling
-        self.events = deque()  # ("step", new tokens per sample, finish per sample) or ("error", message)
+        self.events = deque()  # ("step", new tokens per sample, finish per sample) or ("error", ApiError)
         self.ready = threading.Condition()
         self.cancelled = False  # set by the handler when its client went away
 
@@ -174,33 +175,38 @@ class Worker:
         The oldest waiting job (alone if its n exceeds max_batch) and every later one that can share its batch: the
         same n (the engine decodes num_samples rows per prompt), at most max_batch rows, and within the positions
         the model has.
-        None once stopping.
+        Empty when every waiting job was cancelled; None once stopping.
         """
         with self.lock:
             while not self.jobs and not self.stopping:
                 self.lock.wait()
             if self.stopping:
                 return None
-            batch = [self.jobs.popleft()]
+            batch = []
             for job in list(self.jobs):
                 longest = max(len(j.prompt) for j in batch + [job]) + max(j.max_tokens for j in batch + [job])
-                if (job.n == batch[0].n and (len(batch) + 1) * job.n <= self.max_batch
-                        and longest <= self.engine.model.rotary_len):
+                if job.cancelled:  # its client left while it waited
+                    self.jobs.remove(job)
+                elif not batch or (job.n == batch[0].n and (len(batch) + 1) * job.n <= self.max_batch
+                                   and longest <= self.engine.model.rotary_len):
                     batch.append(job)
                     self.jobs.remove(job)
-            self.stats["batches"] += 1
-            self.stats["largest_batch"] = max(self.stats["largest_batch"], len(batch))
+            if batch:
+                self.stats["batches"] += 1
+                self.stats["largest_batch"] = max(self.stats["largest_batch"], len(batch))
             return batch
 
     def run(self):
         while (batch := self.next_batch()) is not None:
             try:
-                self.decode(batch)
+                if batch:
+                    self.decode(batch)
             except Exception as e:  # a failure answers this batch's requests with 500; the worker goes on
                 traceback.print_exc()
                 self.stats["errors"] += 1
+                error = ApiError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
                 for job in batch:
-                    job.put(("error", f"generation failed: {type(e).__name__}: {e}"))
+                    job.put(("error", error))
 
     def decode(self, batch):
         n = batch[0].n
@@ -231,7 +237,7 @@ class Worker:
             waiting, self.jobs = list(self.jobs), deque()
             self.lock.notify()
         for job in waiting:
-            job.put(("error", "the server is shutting down"))
+            job.put(("error", ApiError(503, "the server is shutting down", kind="server_error")))
         if self.thread.is_alive():
             self.thread.join(timeout=30)
 
@@ -342,7 +348,7 @@ class Handler(BaseHTTPRequestHandler):
         tokens, finishes = [[] for _ in range(job.n)], [None] * job.n
         for event in self.events(job):
             if event[0] == "error":
-                return self.send_error_json(ApiError(500, event[1], kind="server_error"))
+                return self.send_error_json(event[1])
             for s, new in enumerate(event[1]):
                 tokens[s] += new
             finishes = event[2]
@@ -374,7 +380,7 @@ class Handler(BaseHTTPRequestHandler):
         tokens, shown = [[] for _ in range(job.n)], [""] * job.n
         for event in self.events(job):
             if event[0] == "error":  # the status line is gone already: OpenAI's way is an error event
-                return send(ApiError(500, event[1], kind="server_error").body())
+                return send(event[1].body())
             for s, (new, finish) in enumerate(zip(event[1], event[2])):
                 tokens[s] += new
                 text = self.reply_text(tokenizer, tokens[s])
@@ -395,10 +401,14 @@ def usage(job, tokens):
             "total_tokens": len(job.prompt) + completion_tokens}
 
 
+class Server(ThreadingHTTPServer):
+    request_queue_size = 128  # connections the OS may hold before accept() (the default 5 resets a burst of clients)
+
+
 def make_server(engine, device="cpu", host="127.0.0.1", port=8000, model_name="nanopost", max_queue=64,
                 max_batch=32, max_tokens=512, max_n=8, max_body=1 << 20, temperature=0.6, top_k=50, quiet=False):
     """The HTTP server (serve_forever() to run it) with its worker in .worker (start it with .worker.thread.start())."""
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = Server((host, port), Handler)
     server.engine, server.model_name, server.quiet, server.started = engine, model_name, quiet, int(time.time())
     server.limits = argparse.Namespace(max_tokens=max_tokens, max_n=max_n, max_body=max_body,
                                        temperature=temperature, top_k=top_k)
