@@ -11,9 +11,10 @@ OpenAI's chunk format ending with `data: [DONE]`), GET /v1/models, GET /health (
 counters), GET / (the chat page).
 Extensions to OpenAI's request: `top_k` (an int), and `raw_tokens: true`, which returns a calculator call as the
 special tokens the model wrote (<|python_start|>17+25<|python_end|><|output_start|>42<|output_end|>) instead of
-the readable `[calculator: 17+25 → 42]` (engine.readable_reply). An assistant turn sent back may keep its tool
-calls as content parts {"type": "python" | "python_output", "text": ...} (the page does); a plain string is read
-as plain text. Every conversation renders through tokenizer.render_for_completion, as everywhere else.
+the readable `[calculator: 17+25 → 42]` (engine.readable_reply). A non-streamed reply also carries the extension
+message.content_parts: the reply split into text / python / python_output parts by engine.assistant_content.
+Sent back as an assistant turn's content, those parts render the calls as the model wrote them (the page does the
+same from the raw tokens); a plain string is read as plain text. Every conversation renders through tokenizer.render_for_completion, as everywhere else.
 
 How requests are served. One worker thread owns the model. Requests wait in a queue of at most --max-queue (a
 full queue answers 503 at once); whenever the worker is free it takes every waiting request that fits one batch
@@ -39,7 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import common
-from engine import Engine, Sampling, readable_reply
+from engine import Engine, Sampling, assistant_content, readable_reply
 
 # -----------------------------------------------------------------------------
 # Requests: validation and the job the worker runs
@@ -275,9 +276,10 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data)
         elif self.path == "/health":
-            with server.worker.lock:
-                self.send_json(200, {"status": "ok", "model": server.model_name, "queued": len(server.worker.jobs),
-                                     **server.worker.stats})
+            with server.worker.lock:  # a consistent snapshot; sent after the lock is released
+                health = {"status": "ok", "model": server.model_name, "queued": len(server.worker.jobs),
+                          **server.worker.stats}
+            self.send_json(200, health)
         elif self.path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [{"id": server.model_name, "object": "model",
                                                              "created": server.started, "owned_by": "nanopost"}]})
@@ -335,9 +337,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def client_gone(self):
         """True when the client closed its side: the socket reads as ready and the read is empty."""
+        poller = select.poll()  # not select.select, which fails on descriptors above 1023
+        poller.register(self.connection, select.POLLIN)
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            return bool(poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True
 
@@ -353,7 +356,8 @@ class Handler(BaseHTTPRequestHandler):
                 tokens[s] += new
             finishes = event[2]
         tokenizer = self.server.engine.tokenizer
-        choices = [{"index": s, "message": {"role": "assistant", "content": self.reply_text(tokenizer, tokens[s])},
+        choices = [{"index": s, "message": {"role": "assistant", "content": self.reply_text(tokenizer, tokens[s]),
+                                            "content_parts": assistant_content(tokenizer, tokens[s])},
                     "logprobs": None, "finish_reason": finishes[s]} for s in range(job.n)]
         self.send_json(200, {**self.response_header(), "object": "chat.completion", "choices": choices,
                              "usage": usage(job, tokens)})

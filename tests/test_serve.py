@@ -301,8 +301,9 @@ def test_calculator_calls_read_as_calculations(calculator_model, tokenizer):
             "[calculator: 2+3*4 → 14]"
         raw = chat(server, **body, raw_tokens=True)["choices"][0]["message"]["content"]
         assert raw == "<|python_start|>2+3*4<|python_end|><|output_start|>14<|output_end|>"
-        # the page sends a reply back as content parts, so the next turn renders the call as the model wrote it
+        # a reply's content parts, sent back, render the call as the model wrote it in the next turn's prompt
         parts = [{"type": "python", "text": "2+3*4"}, {"type": "python_output", "text": "14"}]
+        assert readable["message"]["content_parts"] == parts
         history = USER + [{"role": "assistant", "content": parts}, {"role": "user", "content": "and 2+3*4?"}]
         assert chat(server, messages=history, max_tokens=20, temperature=0)["choices"][0]["message"]["content"] == \
             "[calculator: 2+3*4 → 14]"
