@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -213,15 +214,22 @@ def test_unknown_route_is_404(server):
     assert request(server, "POST", "/v1/completions", {})[0] == 404
 
 
-def test_full_queue_answers_503_at_once(model, tokenizer):
+def test_full_queue_answers_503_at_once_and_a_queued_client_that_leaves_is_dropped(model, tokenizer):
     server = start(Engine(model, tokenizer), start_worker=False, max_queue=1)  # nothing is decoded: jobs wait
     try:
         waiting = send_only(server, {"messages": USER, "max_tokens": 4})
-        while health(server)["queued"] < 1:
-            threading.Event().wait(0.01)
+        deadline = time.monotonic() + TIMEOUT
+        while health(server)["queued"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         status, _, text = request(server, "POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 4})
         assert status == 503 and "--max-queue" in json.loads(text)["error"]["message"]
+        # a client that leaves while its request waits: the request is dropped, never decoded
         waiting.close()
+        while not server.worker.jobs[0].cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.worker.thread.start()
+        assert chat(server, messages=USER, max_tokens=4)["choices"][0]["finish_reason"] in ("stop", "length")
+        assert (health(server)["batches"], health(server)["largest_batch"]) == (1, 1)
     finally:
         stop(server)
 
