@@ -9,6 +9,8 @@ num_samples rows; then every row of every prompt decodes together, one token per
 position. A row stops at <|assistant_end|> (or <|bos|>) or after max_tokens tokens. When a row closes a calculator
 call <|python_start|>expr<|python_end|>, the engine evaluates expr and forces <|output_start|>result<|output_end|>
 into that row, one token per step, with mask 0 (the model never chose them, so RL must not train on them).
+Engine.generate_steps is the same loop, step by step, with one Sampling (settings and seed) per prompt: serve.py
+decodes concurrent requests together with it.
 """
 
 import argparse
@@ -214,6 +216,16 @@ class Completion:
     mask: list = field(default_factory=list)  # 1: sampled by the model, 0: forced tool output
     logprobs: list = field(default_factory=list)  # sampled: log-prob under sampling_logprobs(...); forced: 0.0
     finish: str | None = None  # "stop" (emitted a stop token) or "length" (hit max_tokens); None while generating
+    # (a caller of Engine.generate_steps may also set it, to end a row early)
+
+
+@dataclass
+class Sampling:
+    """How rows are sampled: sampling_logprobs's settings and the seed of their generator (None: a random seed)."""
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
 
 
 @dataclass
@@ -239,20 +251,37 @@ class Engine:
         Sample num_samples completions of each prompt (a list of token ids). Returns one list of num_samples
         Completions per prompt. temperature=0 is greedy. Same seed, same prompts and settings -> same completions.
         """
-        for rows in self._decode(prompts, num_samples, max_tokens, temperature, top_k, top_p, seed):
+        sampling = Sampling(temperature, top_k, top_p, seed)
+        for rows in self._decode(prompts, num_samples, max_tokens, [sampling]):
             pass  # rows are filled in place; the last step leaves them all finished
         return [rows[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
     def generate_stream(self, prompt, max_tokens=256, temperature=1.0, top_k=None, top_p=None, seed=None):
         """Yield the token ids of one completion of `prompt` as they are generated (forced tool tokens included)."""
         emitted = 0
-        for (completion,) in self._decode([prompt], 1, max_tokens, temperature, top_k, top_p, seed):
+        for (completion,) in self._decode([prompt], 1, max_tokens, [Sampling(temperature, top_k, top_p, seed)]):
             yield from completion.tokens[emitted:]
             emitted = len(completion.tokens)
 
+    def generate_steps(self, prompts, samplings, num_samples=1, max_tokens=256):
+        """
+        Step-wise generation for a server that batches requests: yields every row's Completion (row
+        i * num_samples + s is sample s of prompt i) after each decoding step. samplings holds one Sampling per
+        prompt, each with its own generator, so a seeded prompt's draws do not depend on what shares its batch.
+        The caller may finish a row early by setting its Completion's finish between steps (e.g. "length" at a
+        request's own smaller max_tokens, "cancelled" for a client that went away): the row is not stepped again
+        and the loop ends once every row has finished.
+        """
+        if len(samplings) != len(prompts):
+            raise ValueError(f"got {len(samplings)} samplings for {len(prompts)} prompts; pass one per prompt")
+        return self._decode(prompts, num_samples, max_tokens, samplings)
+
     @torch.inference_mode()
-    def _decode(self, prompts, num_samples, max_tokens, temperature, top_k, top_p, seed):
-        """The decoding loop of generate and generate_stream: yields all rows' Completions after each step."""
+    def _decode(self, prompts, num_samples, max_tokens, samplings):
+        """
+        The decoding loop of generate, generate_stream and generate_steps: yields all rows' Completions after each
+        step. samplings: one Sampling for all rows (one generator) or one per prompt (one generator each).
+        """
         model = self.model
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("got an empty prompt list or an empty prompt; every prompt needs at least one token "
@@ -264,11 +293,13 @@ class Engine:
             raise ValueError(f"longest prompt + max_tokens = {max_len} tokens exceeds the model's "
                              f"{model.rotary_len} positions")
         device = model.lm_head.weight.device
-        generator = torch.Generator(device=device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
+        generators = [torch.Generator(device=device) for _ in samplings]
+        for generator, sampling in zip(generators, samplings):
+            if sampling.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(sampling.seed)
+        group = len(prompts) * num_samples // len(samplings)  # rows per Sampling
 
         # Prefill each prompt once; its num_samples rows share the cache and the next-token logits.
         prefills, last_logits = [], []
@@ -281,11 +312,15 @@ class Engine:
 
         rows = [_Row() for _ in range(len(prompts) * num_samples)]
         while True:
-            logprobs = sampling_logprobs(logits, temperature, top_k, top_p)  # (B, V)
-            if temperature == 0:
-                sampled = logprobs.argmax(-1)  # (B,)
-            else:
-                sampled = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
+            logprobs, sampled = [], []  # per Sampling: its rows' distributions (group, V) and samples (group,)
+            for i, (sampling, generator) in enumerate(zip(samplings, generators)):
+                logprobs.append(sampling_logprobs(logits[i * group:(i + 1) * group], sampling.temperature,
+                                                  sampling.top_k, sampling.top_p))
+                if sampling.temperature == 0:
+                    sampled.append(logprobs[-1].argmax(-1))
+                else:
+                    sampled.append(torch.multinomial(logprobs[-1].exp(), 1, generator=generator).squeeze(1))
+            logprobs, sampled = torch.cat(logprobs), torch.cat(sampled)  # (B, V), (B,)
             sampled_logprobs = logprobs.gather(1, sampled[:, None]).squeeze(1)  # (B,)
             for row, token, logprob in zip(rows, sampled.tolist(), sampled_logprobs.tolist()):
                 if row.completion.finish is None:
@@ -350,6 +385,30 @@ def assistant_content(tokenizer, tokens):
     return parts or [{"type": "text", "text": ""}]
 
 
+TOOL_MARKS = {"<|python_start|>": "[calculator: ", "<|python_end|>": "", "<|output_start|>": " → ",
+              "<|output_end|>": "]"}
+
+
+def readable_reply(tokenizer, tokens):
+    """
+    The reply text of generated tokens for people: a calculator call shows as `[calculator: 17+25 → 42]` instead of
+    <|python_start|>17+25<|python_end|><|output_start|>42<|output_end|>; the stop token is dropped. Built token by
+    token, so the text of a prefix of `tokens` is a prefix of the text (a stream prints the difference), except
+    that a multi-byte character cut between tokens shows as U+FFFD until its last byte arrives.
+    """
+    marks = {tokenizer.token_id(name): text for name, text in TOOL_MARKS.items()}
+    marks.update({tokenizer.token_id("<|assistant_end|>"): "", tokenizer.bos_id: ""})
+    pieces, run = [], []
+    for token in [*tokens, None]:  # None flushes the last run
+        if token is not None and token not in marks:
+            run.append(token)
+            continue
+        pieces.append(tokenizer.decode(run))
+        pieces.append(marks.get(token, ""))
+        run = []
+    return "".join(pieces)
+
+
 def main():
     import common  # here, so that importing engine.py needs only torch
 
@@ -399,7 +458,7 @@ def main():
                                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
             for token in stream:
                 tokens.append(token)
-                reply = tokenizer.decode([t for t in tokens if t not in engine.stop_ids])
+                reply = readable_reply(tokenizer, tokens)
                 if not reply.endswith("\ufffd"):  # wait for the rest of a multi-byte character
                     print(reply[len(shown):], end="", flush=True)
                     shown = reply
