@@ -94,5 +94,6 @@ def test_chat_cli_prompt_prints_the_greedy_completion(tokenizer, tool_model, tmp
     ((completion,),) = chat.generate([prompt], max_tokens=32, temperature=0.0)
     expected = tokenizer.decode([tok for tok in completion.tokens if tok not in chat.stop_ids])
     assert expected == "<|python_start|>2+3<|python_end|><|output_start|>5<|output_end|>#### 5"
-    assert printed == expected + "\n"
+    # The CLI shows the calculator call as what it is (engine.readable_reply), not as raw special tokens.
+    assert printed == engine.readable_reply(tokenizer, completion.tokens) + "\n" == "[calculator: 2+3 → 5]#### 5\n"
     assert torch.equal(loaded.lm_head.weight, tool_model.lm_head.weight)
