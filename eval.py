@@ -799,4 +799,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main)
