@@ -413,11 +413,15 @@ def resume_checkpoint(ckpt_dir):
         skipped.append(path)
         print0(f"resume: skipping {path.name}: {error}")
 
+    ckpt_dir, latest = Path(ckpt_dir), Path(ckpt_dir) / "latest"
+    named = latest.read_text().strip() if latest.exists() else None
+    if named and not (ckpt_dir / named).is_dir():
+        print0(f"resume: skipping {named}: {latest} names it, but it does not exist")
     path = newest_whole_checkpoint(ckpt_dir, report)
     if path is None:
         raise CheckpointError(f"no whole checkpoint to resume from in {ckpt_dir} (every step folder failed its "
                               "check; nothing was deleted): move the folder aside to start over, or pick another --out")
-    if skipped:
+    if skipped or named and named != path.name:
         print0(f"resume: falling back to {path}")
     return path
 
