@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -252,6 +253,26 @@ def test_sigterm_mid_sft_then_resume_is_bit_identical(home, tokenizer, monkeypat
     assert "resuming from step 2" in capsys.readouterr().out
     assert common.load_checkpoint(home / "b")[1]["finished"]
     assert_same_weights(weights(home / "a"), weights(home / "b"))
+
+
+def agree_on_preemption(rank, port, out_dir):
+    """One of two gloo ranks; only rank 0 has received the signal. Writes what preempted() answered on this rank."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    answers = [common.preempted("cpu")]  # nobody signalled yet
+    common._stop_signal = signal.SIGTERM if rank == 0 else None
+    answers.append(common.preempted("cpu"))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(answers))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_agree_when_only_one_was_signalled(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(agree_on_preemption, args=(port, str(tmp_path)), nprocs=2)
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [[False, True], [False, True]]
 
 
 # -----------------------------------------------------------------------------
