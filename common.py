@@ -1,6 +1,7 @@
 """
 Shared plumbing for every stage: device and dtype, torchrun/DDP set-up, rank-0 printing, wandb-or-nothing
-logging, atomic checkpoints, the run directory and the report.
+logging, one-line errors (run_cli), preemption on SIGTERM/SIGINT, atomic checksummed checkpoints and the resume
+that falls back past a damaged one, the run directory and the report.
 
 Run directory ($NANOPOST_HOME, default ~/.cache/nanopost):
     tokenizer/                  the trained tokenizer (tokenizer.py)

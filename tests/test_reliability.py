@@ -10,6 +10,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,6 +25,7 @@ import torch
 import common
 import pretrain
 import sft
+import tasks
 from conftest import make_model, make_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -290,6 +292,7 @@ def test_scripts_turn_expected_failures_into_one_line(killed_run, tmp_path):
     cases = {  # command -> words of the one line
         ("engine.py", "--ckpt", str(killed_run), "--prompt", "hi"): ["engine.py: error:", "model.pt", "step_000002"],
         ("pretrain.py", *SMALL, "--total-batch-size", "100"): ["pretrain.py: error:", "--total-batch-size 100"],
+        ("pretrain.py", *SMALL, "--data-files", str(tmp_path / "gone.parquet")): ["pretrain.py: error:", "gone.parquet"],
     }
     for command, words in cases.items():
         result = run_script(command, home)
@@ -299,6 +302,12 @@ def test_scripts_turn_expected_failures_into_one_line(killed_run, tmp_path):
     missing_tokenizer = run_script(["pretrain.py", *SMALL], tmp_path / "empty")
     assert missing_tokenizer.returncode == 1 and "Traceback" not in missing_tokenizer.stderr
     assert "no tokenizer in" in missing_tokenizer.stderr and "python tokenizer.py" in missing_tokenizer.stderr
+
+
+def test_data_dir_without_the_files_names_the_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPOST_DATA_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'openai/gsm8k/main'} has no test*.parquet")):
+        tasks.GSM8K("test")
 
 
 def test_run_cli_keeps_the_traceback_of_a_bug(capsys):
