@@ -43,7 +43,12 @@ export NANOPOST_HOME="${NANOPOST_HOME:-$HOME/.cache/nanopost}"
 # On SIGTERM/SIGINT a training stage finishes its step, saves a resumable checkpoint and exits with 75
 # (common.PREEMPTED_EXIT); set -e stops the chain there. torchrun gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 # seconds (default 30) after forwarding the signal before it kills them: long enough to write a full-preset checkpoint.
-trap 'status=$?; [ $status -eq 75 ] && echo "speedrun: preempted; the stage saved a checkpoint: run bash speedrun.sh again to resume"; exit $status' EXIT
+on_exit() {
+  status=$?
+  [ "$status" -eq 75 ] && echo "speedrun: preempted; the stage saved a checkpoint: run bash speedrun.sh again to resume"
+  exit "$status"
+}
+trap on_exit EXIT
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 RUN="${WANDB_RUN:-dummy}"
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")

@@ -292,7 +292,8 @@ def test_scripts_turn_expected_failures_into_one_line(killed_run, tmp_path):
     cases = {  # command -> words of the one line
         ("engine.py", "--ckpt", str(killed_run), "--prompt", "hi"): ["engine.py: error:", "model.pt", "step_000002"],
         ("pretrain.py", *SMALL, "--total-batch-size", "100"): ["pretrain.py: error:", "--total-batch-size 100"],
-        ("pretrain.py", *SMALL, "--data-files", str(tmp_path / "gone.parquet")): ["pretrain.py: error:", "gone.parquet"],
+        ("pretrain.py", *SMALL, "--data-files", str(tmp_path / "gone.parquet")): ["pretrain.py: error:",
+                                                                                 "gone.parquet"],
     }
     for command, words in cases.items():
         result = run_script(command, home)
