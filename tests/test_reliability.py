@@ -121,6 +121,13 @@ def test_meta_records_size_and_sha256_of_every_file(tmp_path, tokenizer):
         assert recorded == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     assert common.load_checkpoint(tmp_path)[2]["step"] == 3
 
+    # Damaged after it was checked once (in this process): caught all the same, the file's mtime has changed.
+    stat = (path / "model.pt").stat()
+    flip_byte(path)
+    os.utime(path / "model.pt", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a later write, whatever the clock
+    with pytest.raises(common.CheckpointError, match="model.pt does not match its SHA-256"):
+        common.load_checkpoint(tmp_path)
+
 
 # -----------------------------------------------------------------------------
 # Fault injection: each damage is a one-line error naming what is wrong, and --resume falls back past it
