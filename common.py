@@ -341,20 +341,27 @@ def resolve_checkpoint(ckpt_dir, step=None):
     if (ckpt_dir / "meta.json").exists():
         return ckpt_dir
     if (ckpt_dir / "model.pt").exists():
-        raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete: it has no meta.json")
+        raise _no_fallback(f"checkpoint {ckpt_dir} is incomplete: it has no meta.json", ckpt_dir.parent)
     if step is not None:
         path = ckpt_dir / f"step_{step:06d}"
     elif (ckpt_dir / "latest").exists():
         path = ckpt_dir / (ckpt_dir / "latest").read_text().strip()
         if not path.is_dir():
-            raise CheckpointError(f"{ckpt_dir / 'latest'} names {path.name}, which does not exist")
+            raise _no_fallback(f"{ckpt_dir / 'latest'} names {path.name}, which does not exist", ckpt_dir)
     else:
         raise CheckpointError(
             f"no checkpoint in {ckpt_dir}: run the stage that writes it first "
             f"(pretrain.py -> checkpoints/base, sft.py -> sft, dpo.py -> dpo, rl.py -> rl) or pass --ckpt")
     if not (path / "meta.json").exists():
-        raise CheckpointError(f"checkpoint {path} is missing or incomplete (no meta.json)")
+        raise _no_fallback(f"checkpoint {path} is missing or incomplete (no meta.json)", ckpt_dir)
     return path
+
+
+def _no_fallback(error, stage_dir):
+    """The error of a checkpoint that was asked for by name, with the newest whole one to use instead: never used."""
+    whole = newest_whole_checkpoint(stage_dir)
+    return CheckpointError(f"{error}; " + (f"the newest whole checkpoint is {whole}" if whole else
+                                           f"there is no whole checkpoint in {stage_dir}"))
 
 
 def has_checkpoint(ckpt_dir):
@@ -448,17 +455,13 @@ def load_checkpoint(ckpt_dir, step=None, device="cpu"):
     (model_state_dict, meta, extra_or_None) of a checkpoint, files verified; tensors are mapped to `device`.
     Never falls back to another checkpoint: a bad one is a CheckpointError that names the newest whole one, if any.
     """
-    ckpt_dir = Path(ckpt_dir)
+    path = resolve_checkpoint(ckpt_dir, step)
     try:
-        path = resolve_checkpoint(ckpt_dir, step)
         meta = verify_checkpoint(path)
         model_state = _torch_load(path / "model.pt", meta, device)
         extra = _torch_load(path / "extra.pt", meta, device) if (path / "extra.pt").exists() else None
     except CheckpointError as e:
-        stage_dir = ckpt_dir.parent if ckpt_dir.name.startswith("step_") else ckpt_dir
-        whole = newest_whole_checkpoint(stage_dir)
-        raise CheckpointError(f"{e}; " + (f"the newest whole checkpoint is {whole}" if whole else
-                                          f"there is no whole checkpoint in {stage_dir}")) from None
+        raise _no_fallback(e, path.parent) from None
     return model_state, meta, extra
 
 
