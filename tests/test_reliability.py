@@ -69,7 +69,7 @@ def crash():
 
 
 def die_at_step(monkeypatch, module, name, at, effect):
-    """Make module.name(step, ...) call effect() when step == at (a crash or a signal in the middle of a run)."""
+    """Make module.name(step, ...) call effect() when step == at: a crash in the middle of a run."""
     real = getattr(module, name)
 
     def wrapper(step, *args, **kwargs):
