@@ -1,6 +1,7 @@
 """
 Shared plumbing for every stage: device and dtype, torchrun/DDP set-up, rank-0 printing, wandb-or-nothing
-logging, atomic checkpoints, the run directory and the report.
+logging, one-line errors (run_cli), preemption on SIGTERM/SIGINT, atomic checksummed checkpoints and the resume
+that falls back past a damaged one, the run directory and the report.
 
 Run directory ($NANOPOST_HOME, default ~/.cache/nanopost):
     tokenizer/                  the trained tokenizer (tokenizer.py)
@@ -9,9 +10,13 @@ Run directory ($NANOPOST_HOME, default ~/.cache/nanopost):
     report.md                   the report card rendered by eval.py
 """
 
+import errno
+import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -56,7 +61,7 @@ def compute_init(device=None, seed=0):
     is_ddp, rank, local_rank, world_size = get_dist_info()
     if device_type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
+            raise UserError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -115,11 +120,100 @@ def checkpoint_dir(stage):
 
 
 # -----------------------------------------------------------------------------
+# Errors a user can read. Expected failures (a missing or corrupt checkpoint, no tokenizer, bad flags, missing data
+# files, a full disk) end a script with one line on stderr; anything else is a bug and keeps its traceback.
+
+
+class UserError(Exception):
+    """A failure the user can fix from the message alone; run_cli prints it as one line, without a traceback."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete or corrupt."""
+
+
+# ValueError is this project's bad-input error (a wrong flag, a malformed row) and FileNotFoundError a missing
+# tokenizer or data file: both are the user's to fix, like UserError. FloatingPointError is a diverged run.
+EXPECTED_ERRORS = (UserError, ValueError, FileNotFoundError, FloatingPointError)
+
+
+def run_cli(main, preemptible=False):
+    """
+    What each script's `if __name__ == "__main__":` calls. Runs main(); an expected error prints
+    `<script>: error: <message>` on one line of stderr and exits with status 1; any other exception propagates with
+    its traceback. preemptible=True (the training stages) first catches SIGTERM/SIGINT, see catch_preemption.
+    """
+    if preemptible:
+        catch_preemption()
+    prog = Path(sys.argv[0]).name
+    try:
+        main()
+    except EXPECTED_ERRORS as e:
+        sys.exit(f"{prog}: error: {' '.join(str(e).split())}")
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        sys.exit(f"{prog}: error: out of disk space: {e}")
+    except KeyboardInterrupt:
+        sys.exit(f"{prog}: interrupted")
+
+
+# -----------------------------------------------------------------------------
+# Preemption. Cluster schedulers stop a job with SIGTERM (Ctrl-C sends SIGINT) and kill it a grace period later.
+# A training stage then finishes its optimizer step, saves a resumable checkpoint and exits with PREEMPTED_EXIT;
+# the same command with --resume (or `bash speedrun.sh` again) continues from there, bit-identical to a run that
+# was never stopped. Only the flag is set in the handler; the stage polls it once per step:
+#
+#     if preempted(device):
+#         save(step + 1); exit_preempted(out_dir)
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL of sysexits.h, "try again later": speedrun.sh stops on it and a rerun resumes
+_stop_signal = None  # the signal received, once one is
+
+
+def _on_stop_signal(signum, frame):
+    global _stop_signal
+    if _stop_signal is None:  # repeats are ignored: torchrun forwards the signal to workers that already got it
+        os.write(2, f"\nreceived {signal.Signals(signum).name}: finishing this step, saving a checkpoint and "
+                    f"exiting ({PREEMPTED_EXIT}); `kill -9` stops at once\n".encode())
+    _stop_signal = signum
+
+
+def catch_preemption():
+    """Make SIGTERM and SIGINT ask the training loop to stop after the current step (run_cli does it)."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _on_stop_signal)
+
+
+def preempted(device):
+    """
+    Whether a stop signal has arrived, agreed by all ranks: a signal that reached only some of them stops every one
+    at the same step. Call it once per optimizer step on every rank (an all-reduce under DDP).
+    """
+    if not dist.is_initialized():
+        return _stop_signal is not None
+    flag = torch.tensor([int(_stop_signal is not None)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def exit_preempted(ckpt_dir):
+    """After the preemption checkpoint: wait for rank 0 to finish writing it (torchrun kills the other workers as
+    soon as one exits), then exit with PREEMPTED_EXIT."""
+    compute_cleanup()
+    print0(f"preempted: resumable checkpoint saved in {ckpt_dir}; run the same command with --resume "
+           "(or bash speedrun.sh) to continue")
+    sys.exit(PREEMPTED_EXIT)
+
+
+# -----------------------------------------------------------------------------
 # Checkpoints. A checkpoint is a folder step_000123/ holding model.pt, meta.json, an optional extra.pt
 # (optimizer, data position, RNG: whatever a resume needs) and an optional tokenizer/ copy, so that
 # `python engine.py --ckpt DIR` needs nothing else. Writes are atomic: the step folder is built under a
 # temporary name and renamed into place, then the `latest` pointer file is replaced with os.replace.
 # A crash at any moment leaves either the old pointer (previous checkpoint intact) or the new one (complete).
+# meta.json records the size and SHA-256 of every other file, hashed as it is written; loading checks them, so a
+# file cut short or altered by a copy, a full disk or a bad sector is an error that names it, never a bad model.
 
 
 def _unwrap(model):
@@ -137,70 +231,246 @@ def _atomic_write_text(path, text):
     os.replace(tmp, path)
 
 
+class _HashingWriter:
+    """The file torch.save writes into: every byte also goes through SHA-256, so the checksum needs no second read."""
+
+    def __init__(self, f):
+        self.f, self.name, self.sha256, self.size = f, f.name, hashlib.sha256(), 0
+
+    def write(self, data):
+        self.sha256.update(data)
+        self.size += memoryview(data).nbytes
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+
+def _save_hashed(obj, path):
+    """torch.save(obj, path); returns {"bytes", "sha256"} of the file written."""
+    with open(path, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": writer.size, "sha256": writer.sha256.hexdigest()}
+
+
+def _file_digest(path):
+    sha256 = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha256.update(block)
+    return {"bytes": path.stat().st_size, "sha256": sha256.hexdigest()}
+
+
+def _tensor_bytes(obj):
+    """Bytes of the tensors in a nest of dicts, lists and tuples: what torch.save will write, less pickle overhead."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def check_disk_space(ckpt_dir, step, expected_bytes):
+    """UserError, before anything is written, when the disk holding ckpt_dir cannot take expected_bytes (+5%, 64 MB)."""
+    need = int(expected_bytes * 1.05) + (64 << 20)
+    free = shutil.disk_usage(ckpt_dir).free
+    if free < need:
+        raise UserError(f"not enough disk space to save step {step} in {ckpt_dir}: the checkpoint needs about "
+                        f"{need / 1e9:.2f} GB and {free / 1e9:.2f} GB are free; free some space or point --out at "
+                        "another disk, then --resume (the previous checkpoint is intact)")
+
+
 def save_checkpoint(ckpt_dir, step, model, meta, tokenizer=None, extra=None, keep=2):
     """
-    Save `model`'s weights, `meta` (a JSON-able dict; the model config is added) and `extra` (any
-    torch-saveable dict for resuming) as ckpt_dir/step_{step:06d}, point `latest` at it, and keep only the
-    newest `keep` step folders. Call it on rank 0 only. Returns the step folder.
+    Save `model`'s weights, `meta` (a JSON-able dict; the model config and the files' sizes and SHA-256 are added)
+    and `extra` (any torch-saveable dict for resuming) as ckpt_dir/step_{step:06d}, point `latest` at it, and keep
+    only the newest `keep` step folders. Checks the free disk space first. Call it on rank 0 only. Returns the
+    step folder. Whatever fails, the previous checkpoint stays as it was.
     """
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:06d}"
     model = _unwrap(model)
-    meta = {**meta, "step": step, "model_config": asdict(model.config)}
+    state = model.state_dict()
+    check_disk_space(ckpt_dir, step, _tensor_bytes(state) + _tensor_bytes(extra))
+    files = {}
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=ckpt_dir))
-    torch.save(model.state_dict(), tmp / "model.pt")
-    if extra is not None:
-        torch.save(extra, tmp / "extra.pt")
-    if tokenizer is not None:
-        tokenizer.save(tmp / "tokenizer")
-    _atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2, default=str))
+    try:
+        files["model.pt"] = _save_hashed(state, tmp / "model.pt")
+        if extra is not None:
+            files["extra.pt"] = _save_hashed(extra, tmp / "extra.pt")
+        if tokenizer is not None:
+            tokenizer.save(tmp / "tokenizer")
+            for path in sorted((tmp / "tokenizer").iterdir()):  # small files: hashed by reading them back
+                files[f"tokenizer/{path.name}"] = _file_digest(path)
+        meta = {**meta, "step": step, "model_config": asdict(model.config), "files": files}
+        _atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2, default=str))
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise UserError(f"ran out of disk space while saving step {step} in {ckpt_dir}; the partial save was "
+                            "removed and the previous checkpoint is intact: free some space and --resume") from e
+        raise
     final = ckpt_dir / name
     if final.exists():  # re-saving the same step (e.g. a resumed run ending where it was killed)
         shutil.rmtree(final)
     os.replace(tmp, final)
     _atomic_write_text(ckpt_dir / "latest", name)
-    steps = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
-    for old in steps[:-keep]:
+    for old in _step_folders(ckpt_dir)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _step_folders(ckpt_dir):
+    """The step_* folders of ckpt_dir, newest (highest step) first."""
+    folders = [p for p in Path(ckpt_dir).glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(folders, key=lambda p: int(p.name[5:]), reverse=True)
 
 
 def resolve_checkpoint(ckpt_dir, step=None):
     """
     The step folder to load: ckpt_dir itself if it is one, else the given step, else the one `latest` names.
-    Raises FileNotFoundError saying which stage to run when there is nothing there.
+    Raises CheckpointError (a FileNotFoundError's message: which stage to run) when there is nothing there.
     """
     ckpt_dir = Path(ckpt_dir)
     if (ckpt_dir / "meta.json").exists():
         return ckpt_dir
+    if (ckpt_dir / "model.pt").exists():
+        raise _no_fallback(f"checkpoint {ckpt_dir} is incomplete: it has no meta.json", ckpt_dir.parent)
     if step is not None:
         path = ckpt_dir / f"step_{step:06d}"
     elif (ckpt_dir / "latest").exists():
         path = ckpt_dir / (ckpt_dir / "latest").read_text().strip()
+        if not path.is_dir():
+            raise _no_fallback(f"{ckpt_dir / 'latest'} names {path.name}, which does not exist", ckpt_dir)
     else:
-        raise FileNotFoundError(
+        raise CheckpointError(
             f"no checkpoint in {ckpt_dir}: run the stage that writes it first "
             f"(pretrain.py -> checkpoints/base, sft.py -> sft, dpo.py -> dpo, rl.py -> rl) or pass --ckpt")
     if not (path / "meta.json").exists():
-        raise FileNotFoundError(f"checkpoint {path} is missing or incomplete (no meta.json)")
+        raise _no_fallback(f"checkpoint {path} is missing or incomplete (no meta.json)", ckpt_dir)
     return path
+
+
+def _no_fallback(error, stage_dir):
+    """The error of a checkpoint that was asked for by name, with the newest whole one to use instead: never used."""
+    whole = newest_whole_checkpoint(stage_dir)
+    return CheckpointError(f"{error}; " + (f"the newest whole checkpoint is {whole}" if whole else
+                                           f"there is no whole checkpoint in {stage_dir}"))
 
 
 def has_checkpoint(ckpt_dir):
     ckpt_dir = Path(ckpt_dir)
-    return (ckpt_dir / "meta.json").exists() or (ckpt_dir / "latest").exists()
+    return (ckpt_dir / "meta.json").exists() or (ckpt_dir / "latest").exists() or bool(_step_folders(ckpt_dir))
+
+
+# Step folders whose files this process has hashed, with their modification times then: a resume that checks a
+# checkpoint and then loads it reads every file once, not twice (SHA-256 runs at ~0.1-2 GB/s, by CPU).
+_VERIFIED = set()
+
+
+def verify_checkpoint(path):
+    """
+    The meta of the step folder `path` after checking that every file it lists has its recorded size and SHA-256.
+    CheckpointError naming the file and the step otherwise. (A checkpoint saved before checksums has no list.)
+    """
+    path = Path(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no meta.json") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: meta.json is unreadable ({e})") from None
+    files = meta.get("files", {})
+    where = f"checkpoint {path} (step {meta.get('step')}):"
+    for name, expected in files.items():
+        if not (path / name).is_file():
+            raise CheckpointError(f"{where} {name} is missing")
+        size = (path / name).stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{where} {name} has {size:,} bytes, {expected['bytes']:,} were saved: the file is "
+                                  "cut short or damaged")
+    stamp = (path.resolve(), tuple((path / name).stat().st_mtime_ns for name in ["meta.json", *files]))
+    if stamp in _VERIFIED:
+        return meta
+    for name, expected in files.items():
+        if _file_digest(path / name)["sha256"] != expected["sha256"]:
+            raise CheckpointError(f"{where} {name} does not match its SHA-256 checksum: the file is damaged")
+    _VERIFIED.add(stamp)
+    return meta
+
+
+def newest_whole_checkpoint(ckpt_dir, skip_report=None):
+    """
+    The newest step folder of ckpt_dir that verifies, or None. It starts at the folder `latest` names (a pointer moved
+    back on purpose is obeyed), or at the newest folder when `latest` is missing or names none. skip_report(path,
+    error) is called for each one that does not verify. Reads every file of each candidate; changes nothing.
+    """
+    folders = _step_folders(ckpt_dir)
+    latest = Path(ckpt_dir) / "latest"
+    named = latest.read_text().strip() if latest.exists() else ""
+    if named.startswith("step_") and named[5:].isdigit() and (Path(ckpt_dir) / named).is_dir():
+        folders = [p for p in folders if int(p.name[5:]) <= int(named[5:])]
+    for path in folders:
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as e:
+            if skip_report is not None:
+                skip_report(path, e)
+    return None
+
+
+def resume_checkpoint(ckpt_dir):
+    """
+    The step folder a --resume continues from: the newest whole one in ckpt_dir, reporting each newer one it skips.
+    CheckpointError when there are checkpoints but none is whole: the run stops and leaves them all as they are.
+    """
+    skipped = []
+
+    def report(path, error):
+        skipped.append(path)
+        print0(f"resume: skipping {path.name}: {error}")
+
+    ckpt_dir, latest = Path(ckpt_dir), Path(ckpt_dir) / "latest"
+    named = latest.read_text().strip() if latest.exists() else None
+    if named and not (ckpt_dir / named).is_dir():
+        print0(f"resume: skipping {named}: {latest} names it, but it does not exist")
+    path = newest_whole_checkpoint(ckpt_dir, report)
+    if path is None:
+        raise CheckpointError(f"no whole checkpoint to resume from in {ckpt_dir} (every step folder failed its "
+                              "check; nothing was deleted): move the folder aside to start over, or pick another --out")
+    if skipped or named and named != path.name:
+        print0(f"resume: falling back to {path}")
+    return path
 
 
 def load_checkpoint(ckpt_dir, step=None, device="cpu"):
-    """(model_state_dict, meta, extra_or_None) of a checkpoint; tensors are mapped to `device`."""
+    """
+    (model_state_dict, meta, extra_or_None) of a checkpoint, files verified; tensors are mapped to `device`.
+    Never falls back to another checkpoint: a bad one is a CheckpointError that names the newest whole one, if any.
+    """
     path = resolve_checkpoint(ckpt_dir, step)
-    meta = json.loads((path / "meta.json").read_text())
-    model_state = torch.load(path / "model.pt", map_location=device, weights_only=True)
-    extra = None
-    if (path / "extra.pt").exists():
-        extra = torch.load(path / "extra.pt", map_location=device, weights_only=True)
+    try:
+        meta = verify_checkpoint(path)
+        model_state = _torch_load(path / "model.pt", meta, device)
+        extra = _torch_load(path / "extra.pt", meta, device) if (path / "extra.pt").exists() else None
+    except CheckpointError as e:
+        raise _no_fallback(e, path.parent) from None
     return model_state, meta, extra
+
+
+def _torch_load(file, meta, device):
+    try:
+        return torch.load(file, map_location=device, weights_only=True)
+    except Exception as e:  # a damaged zip or pickle: torch's reader has many ways to say so
+        raise CheckpointError(f"checkpoint {file.parent} (step {meta.get('step')}): {file.name} does not load "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def load_model(ckpt_dir, device, step=None):
@@ -210,8 +480,8 @@ def load_model(ckpt_dir, device, step=None):
     from model import GPT, GPTConfig
     from tokenizer import Tokenizer
 
+    model_state, meta, _ = load_checkpoint(ckpt_dir, step, device=device)
     path = resolve_checkpoint(ckpt_dir, step)
-    model_state, meta, _ = load_checkpoint(path, device=device)
     model = GPT(GPTConfig(**meta["model_config"])).to(device)
     model.load_state_dict(model_state, strict=True)
     model.eval()

@@ -395,7 +395,7 @@ def main(argv=None):
     out_dir = args.out or common.checkpoint_dir("dpo")
     resume_state = None
     if args.resume and common.has_checkpoint(out_dir):
-        state, meta, extra = common.load_checkpoint(out_dir, device=device)
+        state, meta, extra = common.load_checkpoint(common.resume_checkpoint(out_dir), device=device)
         if meta.get("finished"):
             print0(f"dpo already finished ({out_dir}, step {meta['step']}); nothing to do")
             compute_cleanup()
@@ -502,9 +502,12 @@ def main(argv=None):
         elapsed = time.time() - t0
         print0(line + f" | eta {format_eta(elapsed / (step + 1 - start_step) * (num_steps - step - 1))}")
         logger.log(log, step + 1)
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps and rank == 0:
+        preempted = common.preempted(device)  # SIGTERM/SIGINT: keep this step's work, see common.py
+        if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
             common.save_checkpoint(out_dir, step + 1, model, {"stage": "dpo", "finished": False}, tokenizer=tokenizer,
                                    extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers]})
+        if preempted:
+            common.exit_preempted(out_dir)
 
     after = {**task_accuracy(model, tokenizer, args, device),
              **evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device)}
@@ -527,4 +530,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main, preemptible=True)

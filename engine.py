@@ -425,10 +425,7 @@ def main():
     args = parser.parse_args()
 
     device = torch.device(args.device or common.autodetect_device())
-    try:
-        model, tokenizer, meta = common.load_model(args.ckpt, device)
-    except FileNotFoundError as e:
-        sys.exit(f"error: {e}")
+    model, tokenizer, meta = common.load_model(args.ckpt, device)
     print(f"loaded {args.ckpt} (step {meta.get('step')}, {model.num_params():,} parameters) on {device}",
           file=sys.stderr)
     engine = Engine(model, tokenizer)
@@ -469,4 +466,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from common import run_cli  # here, like main's import
+
+    run_cli(main)

@@ -807,4 +807,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main)

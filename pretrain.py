@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 import tasks
-from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute_cleanup, compute_init, format_eta,
-                    get_base_dir, has_checkpoint, load_checkpoint, print0, save_checkpoint, synchronize)
+from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute_cleanup, compute_init, exit_preempted,
+                    format_eta, get_base_dir, has_checkpoint, load_checkpoint, preempted, print0, resume_checkpoint,
+                    run_cli, save_checkpoint, synchronize)
 from engine import Engine
 from eval import evaluate_bpb
 from model import EMBEDDING_LR, GPT, MATRIX_LR, UNEMBEDDING_LR, GPTConfig
@@ -180,7 +181,7 @@ def main(argv=None):
     curve = {"step": [], "loss": []}  # training history for the report's plots
     val_curve = {"step": [], "bpb": []}
     if args.resume and has_checkpoint(args.out):
-        model_state, meta, extra = load_checkpoint(args.out, device=device)
+        model_state, meta, extra = load_checkpoint(resume_checkpoint(args.out), device=device)
         if meta.get("finished"):
             print0(f"pretraining already finished: {args.out} holds the final checkpoint (step {meta['step']})")
             compute_cleanup()
@@ -325,6 +326,9 @@ def main(argv=None):
                    f" | eta {eta}")
         logger.log({"train/loss": loss_value, "train/lrm": lrm, "train/tokens_per_sec": tokens_per_sec,
                     **({"train/mfu": mfu} if mfu else {})}, step + 1)
+        if preempted(device):  # SIGTERM/SIGINT: keep this step's work, see common.py
+            save(step + 1, finished=False)
+            exit_preempted(args.out)
 
     # -------------------------------------------------------------------------
     # Final checkpoint and report
@@ -345,4 +349,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, preemptible=True)

@@ -50,8 +50,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute_cleanup, compute_init, format_eta,
-                    has_checkpoint, load_checkpoint, load_model, print0, save_checkpoint, synchronize)
+from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute_cleanup, compute_init, exit_preempted,
+                    format_eta, has_checkpoint, load_checkpoint, load_model, preempted, print0, resume_checkpoint,
+                    run_cli, save_checkpoint, synchronize)
 from engine import Engine, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
@@ -568,8 +569,8 @@ def main(argv=None):
     out = Path(args.out) if args.out else checkpoint_dir("rl")
 
     # Model: the previous stage's checkpoint, or our own to resume from.
-    resume = args.resume and has_checkpoint(out)
-    model, tokenizer, meta = load_model(out if resume else ckpt, device)
+    resume = args.resume and has_checkpoint(out) and resume_checkpoint(out)  # the newest whole step folder
+    model, tokenizer, meta = load_model(resume or ckpt, device)
     if resume and meta.get("finished"):
         print0(f"rl already finished: {out} (step {meta['step']}); nothing to do")
         compute_cleanup()
@@ -603,7 +604,7 @@ def main(argv=None):
         return
     start_step, history = 0, []
     if resume:
-        _, _, extra = load_checkpoint(out, device=device)
+        _, _, extra = load_checkpoint(resume, device=device)
         for optimizer, state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(state)
         start_step, history = extra["step"], extra["history"]
@@ -771,6 +772,9 @@ def main(argv=None):
         if (step + 1) % args.eval_every == 0 or last:
             history.append(evaluate(step + 1))
             logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=step + 1)
+        if preempted(device):  # SIGTERM/SIGINT: keep this step's work, see common.py
+            save(step + 1, finished=False)
+            exit_preempted(out)
         if not last and args.save_every and (step + 1) % args.save_every == 0:
             save(step + 1, finished=False)
 
@@ -788,4 +792,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, preemptible=True)

@@ -209,7 +209,7 @@ def main(argv=None):
     out_dir = args.out or common.checkpoint_dir("sft")
     resume_state = None
     if args.resume and common.has_checkpoint(out_dir):
-        state, meta, extra = common.load_checkpoint(out_dir, device=device)
+        state, meta, extra = common.load_checkpoint(common.resume_checkpoint(out_dir), device=device)
         if meta.get("finished"):
             print0(f"sft already finished ({out_dir}, step {meta['step']}); nothing to do")
             compute_cleanup()
@@ -294,9 +294,12 @@ def main(argv=None):
                + (f" | val loss {log['val/loss']:.4f}" if "val/loss" in log else "")
                + f" | {tokens_seen / elapsed:,.0f} tok/s (padded) | eta {eta}")
         logger.log(log, step + 1)
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps and rank == 0:
+        preempted = common.preempted(device)  # SIGTERM/SIGINT: keep this step's work, see common.py
+        if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
             common.save_checkpoint(out_dir, step + 1, model, {"stage": "sft", "finished": False}, tokenizer=tokenizer,
                                    extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers]})
+        if preempted:
+            common.exit_preempted(out_dir)
 
     final = {"val_loss": evaluate_loss(model, val_batches, device),
              **generation_metrics(model, tokenizer, args, device)}
@@ -317,4 +320,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main, preemptible=True)

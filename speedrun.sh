@@ -7,8 +7,9 @@
 #   NANOPOST_HOME=/path bash speedrun.sh   # where tokenizer, checkpoints and report go (default ~/.cache/nanopost)
 #
 # Re-running after an interruption skips the stages that finished and resumes the one that was interrupted:
-# every stage gets --resume, which continues from the stage's latest checkpoint, or exits at once if that
-# checkpoint is marked finished.
+# every stage gets --resume, which continues from the stage's newest whole checkpoint (one that fails its checksums
+# is skipped and reported), or exits at once if that checkpoint is marked finished. SIGTERM or Ctrl-C makes the
+# running stage save a checkpoint after its current step and exit with status 75; nothing is lost.
 #
 # The full preset (8xH100):
 #   tokenizer  65,536 tokens, BPE on 2B characters of FineWeb-Edu                                 ~2 min
@@ -39,6 +40,16 @@ if [ "${1:-}" = "--dry-run" ]; then
 fi
 
 export NANOPOST_HOME="${NANOPOST_HOME:-$HOME/.cache/nanopost}"
+# On SIGTERM/SIGINT a training stage finishes its step, saves a resumable checkpoint and exits with 75
+# (common.PREEMPTED_EXIT); set -e stops the chain there. torchrun gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+# seconds (default 30) after forwarding the signal before it kills them: long enough to write a full-preset checkpoint.
+on_exit() {
+  status=$?
+  [ "$status" -eq 75 ] && echo "speedrun: preempted; the stage saved a checkpoint: run bash speedrun.sh again to resume"
+  exit "$status"
+}
+trap on_exit EXIT
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 RUN="${WANDB_RUN:-dummy}"
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -gt 0 ]; then

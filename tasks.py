@@ -295,7 +295,7 @@ def pretraining_texts(preset, split, max_chars=None):
 # hub dataset's schema. Given, the rows come from there through the same `datasets` code path; otherwise they are
 # downloaded from the Hugging Face hub. Tests and offline machines use `local`. A whole run can be pointed at
 # pre-downloaded (or stand-in) files with $NANOPOST_DATA_DIR: the rows of repo/config/split are then read from
-# $NANOPOST_DATA_DIR/<repo>/<config or "default">/<split>*.{parquet,jsonl} when such files exist.
+# $NANOPOST_DATA_DIR/<repo>/<config or "default">/<split>*.{parquet,jsonl} (an error when there are none).
 
 
 def load_rows(repo, split, config=None, local=None, streaming=False, size=None):
@@ -304,7 +304,10 @@ def load_rows(repo, split, config=None, local=None, streaming=False, size=None):
 
     if local is None and os.environ.get("NANOPOST_DATA_DIR"):
         folder = Path(os.environ["NANOPOST_DATA_DIR"]) / repo / (config or "default")
-        local = sorted(folder.glob(f"{split}*.parquet")) + sorted(folder.glob(f"{split}*.jsonl")) or None
+        local = sorted(folder.glob(f"{split}*.parquet")) + sorted(folder.glob(f"{split}*.jsonl"))
+        if not local:
+            raise FileNotFoundError(f"$NANOPOST_DATA_DIR is set but {folder} has no {split}*.parquet or "
+                                    f"{split}*.jsonl files: add them, or unset NANOPOST_DATA_DIR to download {repo}")
     if local is None:
         rows = load_dataset(repo, config, split=split, streaming=streaming)
     else:

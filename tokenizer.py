@@ -380,4 +380,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from common import run_cli  # here, like main's import
+
+    run_cli(main)
