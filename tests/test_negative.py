@@ -171,10 +171,12 @@ def test_incomplete_checkpoint(tokenizer, tmp_path):
     (tmp_path / "step_000002").mkdir()  # a crash left a step folder without meta.json, and `latest` points at it
     torch.save(model.state_dict(), tmp_path / "step_000002" / "model.pt")
     (tmp_path / "latest").write_text("step_000002")
-    with pytest.raises(FileNotFoundError, match=re.escape(
-            f"checkpoint {tmp_path / 'step_000002'} is missing or incomplete (no meta.json)")):
+    with pytest.raises(common.CheckpointError, match=re.escape(
+            f"checkpoint {tmp_path / 'step_000002'} is missing or incomplete (no meta.json); the newest whole "
+            f"checkpoint is {tmp_path / 'step_000001'}")):
         common.load_checkpoint(tmp_path)
-    with pytest.raises(FileNotFoundError, match=re.escape(f"no checkpoint in {tmp_path / 'empty'}: run the stage")):
+    with pytest.raises(common.CheckpointError,
+                       match=re.escape(f"no checkpoint in {tmp_path / 'empty'}: run the stage")):
         common.load_model(tmp_path / "empty", "cpu")
 
 
