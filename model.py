@@ -275,9 +275,10 @@ class GPT(nn.Module):
         logits = self.lm_head(h).float()
         return LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
 
-    def chunked_logits(self, h, fn, *per_token, chunk_tokens=LOGITS_CHUNK_TOKENS):
+    def chunked_logits(self, h, fn, *per_token, chunk_tokens=None):
         """
-        fn(logits, *per_token) for the B * T positions of h (B, T, C), chunk_tokens positions at a time: fn gets
+        fn(logits, *per_token) for the B * T positions of h (B, T, C), chunk_tokens (default LOGITS_CHUNK_TOKENS)
+        positions at a time: fn gets
         logits (N, V) of N <= chunk_tokens positions and the matching rows of each per_token tensor (B, T, ...)
         flattened to (N, ...), and returns one tensor (N, ...) or a tuple of them. Returns a tuple of the outputs
         reshaped to (B, T, ...).
@@ -288,6 +289,7 @@ class GPT(nn.Module):
         fn applied to the whole (B, T, V) logits.
         """
         B, T, C = h.shape
+        chunk_tokens = chunk_tokens or LOGITS_CHUNK_TOKENS
         flat = h.reshape(B * T, C)
         extras = [t.reshape(B * T, *t.shape[2:]) for t in per_token]
 
