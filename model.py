@@ -236,6 +236,8 @@ class GPT(nn.Module):
         h = self.hidden(idx, kv_cache)  # (B, T, C)
         if targets is None:
             return self.head(h)
+        if loss_reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none', got {loss_reduction!r}")
         if logits_chunk is not None and B * T > logits_chunk:
             losses, = self.chunked_logits(h, partial(F.cross_entropy, ignore_index=-1, reduction="none"), targets,
                                           chunk_tokens=logits_chunk)  # (B, T)
@@ -299,7 +301,9 @@ class GPT(nn.Module):
         outputs = []
         for start in range(0, B * T, chunk_tokens):
             args = (flat[start:start + chunk_tokens], *(e[start:start + chunk_tokens] for e in extras))
-            out = checkpoint(piece, *args, use_reentrant=False) if torch.is_grad_enabled() else piece(*args)
+            # preserve_rng_state=False: nothing random runs in the head, no RNG state to stash per chunk.
+            out = (checkpoint(piece, *args, use_reentrant=False, preserve_rng_state=False) if torch.is_grad_enabled()
+                   else piece(*args))
             outputs.append(out if isinstance(out, tuple) else (out,))
         return tuple(torch.cat(parts).view(B, T, *parts[0].shape[1:]) for parts in zip(*outputs))
 
