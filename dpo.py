@@ -45,9 +45,9 @@ STAT_NAMES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "
 # full (8xH100, ~20-30 min for a depth-20 model): one epoch of UltraFeedback-binarized train_prefs (61k pairs, ~600
 # tokens a side): a reference pass (forward only) plus a policy pass over ~75M tokens; micro-batches of 32,768 padded
 # positions (8 pairs of 2,048-token sides at most) need ~61 GiB per GPU with chunked logits (model.training_memory);
-# tiny: 8,192 = 16 pairs of the 256-token context, the old 16-pair micro-batch at its longest. --pairs self-generated --task gsm8k instead samples 8 answers to each
-# of the 7.5k GSM8K train problems (the generation dominates: ~10 min) and keeps one correct/incorrect pair per problem
-# that has both.
+# tiny: 8,192 = 16 pairs of the 256-token context, the old 16-pair micro-batch at its longest.
+# --pairs self-generated --task gsm8k instead samples 8 answers to each of the 7.5k GSM8K train problems (the
+# generation dominates: ~10 min) and keeps one correct/incorrect pair per problem that has both.
 PRESETS = {
     # Measured on the tiny pipeline (held-out greedy pass@1 of the SFT model: 52%): self-generated pairs raise it
     # to 73%; the static synthetic pairs (88% held-out preference accuracy) leave it at 50%: they teach mistakes the

@@ -59,12 +59,12 @@ PRESETS = {
     # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
     # SFT model (7% pass@1), 0.3 collapsed the policy within 30 steps and 0.1 learned too slowly to show in 40.
     "tiny": dict(task="synthetic", train_size=5000, num_steps=50, prompts_per_step=16, group_size=8, max_tokens=48,
-                 device_batch_tokens=8192, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128, eval_samples=8,
-                 save_every=25),
+                 device_batch_tokens=8192, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128,
+                 eval_samples=8, save_every=25),
     # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global.
     "full": dict(task="gsm8k", train_size=None, num_steps=400, prompts_per_step=64, group_size=16, max_tokens=512,
-                 device_batch_tokens=16384, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400, eval_samples=8,
-                 save_every=50),
+                 device_batch_tokens=16384, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400,
+                 eval_samples=8, save_every=50),
 }
 
 LOGP_FLOOR = -100.0  # log-probs are floored here: a token outside a top-k/top-p support (-inf) must not become NaN

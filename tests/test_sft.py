@@ -153,7 +153,8 @@ def test_full_preset_mixture_runs_on_stand_in_hub_data(tokenizer, tmp_path, monk
     monkeypatch.setenv("NANOPOST_DATA_DIR", str(tasks.write_stand_in_data(tmp_path / "hub", documents=10, rows=16)))
     save_base(tmp_path, tokenizer)
     args = ["--preset", "full", "--device", "cpu", "--batch-size", "16", "--device-batch-tokens", "1024",
-            "--num-steps", "2", "--eval-rows", "8", "--check-problems", "4", "--check-samples", "1", "--max-new-tokens", "16"]
+            "--num-steps", "2", "--eval-rows", "8", "--check-problems", "4", "--check-samples", "1",
+            "--max-new-tokens", "16"]
     sft.main(args + ["--dry-run"])
     assert "dry run" in capsys.readouterr().out
     assert not common.read_report() and not common.has_checkpoint(tmp_path / "checkpoints" / "sft")
