@@ -476,7 +476,7 @@ def main(argv=None):
         line = (f"step {step + 1:4d}/{num_steps} | loss {log['train/loss']:.4f}"
                 f" | margin {log['train/rewards/margins']:+.3f} | acc {log['train/rewards/accuracy']:.0%}"
                 f" | logp chosen {log['train/logps/chosen']:.1f} rejected {log['train/logps/rejected']:.1f}"
-                f" | {len(micro)} micro-batches, {padding:.0%} padding")
+                f" | {len(micro)} micro-batch(es), {padding:.0%} padding")
         if (step + 1) % args.eval_every == 0 or step + 1 == num_steps:
             held_out = evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device)
             log.update({f"val/{name}": value for name, value in held_out.items()})

@@ -299,7 +299,7 @@ def main(argv=None):
             log["val/loss"] = evaluate_loss(model, val_batches, device)
         print0(f"step {step + 1:5d}/{num_steps} | loss {train_loss:.4f}"
                + (f" | val loss {log['val/loss']:.4f}" if "val/loss" in log else "")
-               + f" | {len(micro)} micro-batches, {padding:.0%} padding | {tokens_seen / elapsed:,.0f} tok/s (padded)"
+               + f" | {len(micro)} micro-batch(es), {padding:.0%} padding | {tokens_seen / elapsed:,.0f} tok/s (padded)"
                + f" | eta {eta}")
         logger.log(log, step + 1)
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps and rank == 0:
