@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 SPLIT = {0: slice(0, 3), 1: slice(3, 4)}  # rank -> its groups: uneven on purpose (tokens and micro-batches differ)
 FLAGS = ["--preset", "tiny", "--device", "cpu", "--num-steps", "1", "--prompts-per-step", "4", "--group-size", "4",
          "--max-tokens", "8", "--train-size", "64", "--eval-problems", "2", "--eval-samples", "2",
-         "--device-batch-size", "5", "--max-sampling-rounds", "1"]
+         "--device-batch-tokens", "330", "--max-sampling-rounds", "1"]
 
 
 def write_groups(path, tokenizer, model):

@@ -85,7 +85,7 @@ class ParityTask:
 
 
 TINY = ["--preset", "tiny", "--device", "cpu", "--train-pairs", "48", "--eval-pairs", "16", "--samples", "4",
-        "--max-new-tokens", "10", "--batch-size", "8", "--device-batch-size", "4", "--beta", "0.1",
+        "--max-new-tokens", "10", "--batch-size", "8", "--device-batch-tokens", "240", "--beta", "0.1",
         "--check-problems", "4", "--check-samples", "1", "--eval-every", "100"]
 
 

@@ -104,14 +104,15 @@ def sft_checkpoint(tokenizer, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--batch-size", "12", "--device-batch-size", "8"],
-     "--batch-size 12 is not a multiple of --device-batch-size 8 x 1 ranks"),
-    (["--batch-size", "32", "--device-batch-size", "8"],
+    (["--batch-size", "8", "--device-batch-tokens", "100"],
+     "--device-batch-tokens 100 cannot hold a pair of two --max-seq-len 128 sides; raise it to 256 or lower "
+     "--max-seq-len"),
+    (["--batch-size", "32", "--device-batch-tokens", "2048"],
      "16 training pairs per rank are fewer than one step's 32; generate more (--train-pairs, --samples) or lower "
      "--batch-size"),
-    (["--batch-size", "8", "--device-batch-size", "8", "--loss-type", "hinge", "--label-smoothing", "0.1"],
+    (["--batch-size", "8", "--device-batch-tokens", "2048", "--loss-type", "hinge", "--label-smoothing", "0.1"],
      "label_smoothing does not apply to loss_type 'hinge'; use sigmoid (cDPO), robust, sigmoid_norm or simpo"),
-    (["--batch-size", "8", "--device-batch-size", "8", "--label-smoothing", "0.5"],
+    (["--batch-size", "8", "--device-batch-tokens", "2048", "--label-smoothing", "0.5"],
      "label_smoothing must be in [0, 0.5), got 0.5"),
 ])
 def test_dpo_flag_combinations(sft_checkpoint, tmp_path, flags, message):

@@ -229,7 +229,7 @@ def test_sigterm_mid_pretraining_then_resume_is_bit_identical(home, capsys):
     assert common.load_checkpoint(home / "b")[1]["finished"]
 
 
-SFT_ARGS = ["--preset", "tiny", "--train-rows", "48", "--batch-size", "16", "--device-batch-size", "8",
+SFT_ARGS = ["--preset", "tiny", "--train-rows", "48", "--batch-size", "16", "--device-batch-tokens", "1024",
             "--eval-rows", "16", "--check-problems", "4", "--check-samples", "2", "--max-new-tokens", "16",
             "--eval-every", "2", "--device", "cpu"]  # 3 steps, no periodic checkpoint
 

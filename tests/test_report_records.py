@@ -27,10 +27,10 @@ def test_report_from_the_records_the_tiny_stages_write(tmp_path, monkeypatch):
                    "--device", "cpu"])
     # --max-seq-len 64: the longer SFT conversations are skipped (the record's nested "skipped" counts).
     sft.main(["--preset", "tiny", "--device", "cpu", "--train-rows", "40", "--batch-size", "8",
-              "--device-batch-size", "8", "--num-steps", "1", "--max-seq-len", "64", "--eval-rows", "8",
+              "--device-batch-tokens", "512", "--num-steps", "1", "--max-seq-len", "64", "--eval-rows", "8",
               "--check-problems", "2", "--check-samples", "1", "--max-new-tokens", "4"])
     dpo.main(["--device", "cpu", "--pairs", "synthetic", "--train-pairs", "8", "--eval-pairs", "4", "--batch-size", "8",
-              "--device-batch-size", "8", "--beta", "0.1", "--check-problems", "2", "--check-samples", "1",
+              "--device-batch-tokens", "2048", "--beta", "0.1", "--check-problems", "2", "--check-samples", "1",
               "--max-new-tokens", "4"])
     monkeypatch.setattr(rl, "load_task", lambda name, split, size: LengthParity(split, size=16))
     rl.main(["--preset", "tiny", "--device", "cpu", "--num-steps", "1", "--prompts-per-step", "2", "--group-size", "2",

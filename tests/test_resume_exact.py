@@ -62,7 +62,7 @@ def assert_same_run(out_a, out_b):
 
 
 SFT_ARGS = ["--preset", "tiny", "--device", "cpu", "--train-rows", "48", "--batch-size", "16",
-            "--device-batch-size", "8", "--eval-rows", "16", "--check-problems", "4", "--check-samples", "2",
+            "--device-batch-tokens", "1024", "--eval-rows", "16", "--check-problems", "4", "--check-samples", "2",
             "--max-new-tokens", "16", "--eval-every", "2", "--save-every", "1"]
 
 
@@ -78,7 +78,7 @@ def test_sft_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys):
 
 
 DPO_ARGS = ["--device", "cpu", "--pairs", "synthetic", "--train-pairs", "32", "--eval-pairs", "16",
-            "--batch-size", "16", "--device-batch-size", "8", "--epochs", "2", "--lr-frac", "0.3", "--beta", "0.1",
+            "--batch-size", "16", "--device-batch-tokens", "2048", "--epochs", "2", "--lr-frac", "0.3", "--beta", "0.1",
             "--check-problems", "4", "--check-samples", "1", "--max-new-tokens", "8", "--eval-every", "2",
             "--sft-weight", "0.5", "--save-every", "1"]
 
@@ -95,7 +95,7 @@ def test_dpo_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys):
 
 
 RL_ARGS = ["--preset", "tiny", "--device", "cpu", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8",
-           "--eval-problems", "4", "--eval-samples", "2", "--device-batch-size", "5", "--num-steps", "3",
+           "--eval-problems", "4", "--eval-samples", "2", "--device-batch-tokens", "330", "--num-steps", "3",
            "--save-every", "1", "--eval-every", "2", "--epochs", "2", "--minibatches", "2"]
 
 
