@@ -35,7 +35,7 @@ The default recipe (`--preset` only chooses data, sizes and learning rates; the 
       off-policy RL training"): weights min(pi_trainer / pi_engine, 2) correct the sampler/learner numerical gap
       (bf16 kernels, different batch shapes); on CPU fp32 the gap is ~0 and the weights are 1.
     - fully on-policy by default: one epoch, one minibatch, so the PPO ratio is 1 and clipping only matters when
-      --epochs or --minibatches is raised.
+      --epochs or --minibatches is raised (then, and only then, a no-grad pass scores the old log-probs first).
 """
 
 import argparse
@@ -271,11 +271,12 @@ def score_group(task, conversation, completions, tokenizer):
 
 
 def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed, filter_zero_contrast=True,
-                  max_rounds=4, overlong_buffer=0):
+                  max_rounds=4, overlong_buffer=0, oversample=1.0):
     """
-    Roll out `num_groups` groups of `group_size` completions. Each round draws num_groups prompts of `task`
-    (without replacement, from a random stream seeded by `seed`), generates, scores, and keeps groups
-    until num_groups are kept. With filter_zero_contrast (DAPO's dynamic sampling), a group whose shaped
+    Roll out `num_groups` groups of `group_size` completions. Each round draws ceil(oversample * num_groups)
+    prompts of `task` (without replacement, from a random stream seeded by `seed`), generates all their groups in
+    one Engine.generate call, scores them, and keeps groups in order until num_groups are kept (oversample > 1: more
+    groups per call, so that fewer rounds are needed when most groups have no contrast). With filter_zero_contrast (DAPO's dynamic sampling), a group whose shaped
     rewards are all equal is dropped (its advantages would all be 0) and sampling continues, for at most
     max_rounds rounds: the batch may then come back short, never with a zero-contrast group.
     overlong_buffer > 0 adds overlong_penalty to each reward.
@@ -283,6 +284,8 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
     Returns (groups, stats). A group is {"prompt": ids, "completions": [Completion], "rewards": [float] (shaped)};
     stats are sums over every sampled group, kept or not: the logs count the outcomes of filtered groups too.
     """
+    if oversample < 1:
+        raise ValueError(f"oversample must be >= 1 (prompts per round = oversample x groups needed), got {oversample}")
     tokenizer = engine.tokenizer
     rng = random.Random(seed)
     groups = []
@@ -290,7 +293,7 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
                            "zero_contrast", "length_sum", "truncated", "rounds"], 0)
     stats["length_max"] = 0
     for round_index in range(max_rounds):
-        indices = rng.sample(range(len(task)), min(num_groups, len(task)))
+        indices = rng.sample(range(len(task)), min(math.ceil(oversample * num_groups), len(task)))
         conversations = [task[i] for i in indices]
         prompts = [tokenizer.render_for_completion(c) for c in conversations]
         results = engine.generate(prompts, num_samples=group_size, max_tokens=max_tokens,
@@ -434,6 +437,9 @@ def parse_args(argv=None):
     add("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
         help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
     add("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
+    add("--oversample", type=float, default=1.0,
+        help="prompts per sampling round = oversample x the groups needed, all in one generate call; the first "
+             "groups with contrast are kept (e.g. 2-3 when most groups have none; 1: off)")
     add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
     add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
     # advantages and loss
@@ -555,7 +561,8 @@ def main(argv=None):
             groups, rollout = sample_groups(engine, train_task, groups_per_rank, args.group_size, args.max_tokens,
                                             sampling, seed=mix_seed(args.seed, step, rank),
                                             filter_zero_contrast=args.filter_zero_contrast,
-                                            max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer)
+                                            max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer,
+                                            oversample=args.oversample)
         synchronize(device)
         t1 = time.time()
 
@@ -574,18 +581,25 @@ def main(argv=None):
                  "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0,
                  "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf,
                  "ratio_max": -math.inf}  # the same keys on every rank: reduced across ranks below
+        # One epoch of one minibatch updates once, after every micro-batch is scored: its ratio is exactly 1, so the
+        # learner pass's own log-probs, detached, are the old ones and this extra no-grad pass is skipped.
+        old_from_learner = args.epochs == 1 and args.minibatches == 1
+
+        def score_old(micro, old_logp, entropy):
+            micro["old_logp"], mask = old_logp, micro["mask"]
+            micro["weights"] = mismatch_weights(old_logp, micro["behavior"], args.mismatch, args.tis_cap,
+                                                args.mask_window)
+            gap = (old_logp - micro["behavior"]).abs() * mask
+            tally["gap_sum"] += float(gap.sum())
+            tally["gap_max"] = max(tally["gap_max"], float(gap.max()))
+            tally["entropy_sum"] += float((entropy * mask).sum())
+            tally["trained_tokens"] += int(mask.sum())
+            tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
+
         with torch.no_grad():
             for micro in (micro for mb in minibatches for micro in mb):
-                micro["old_logp"], entropy = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
-                mask = micro["mask"]
-                micro["weights"] = mismatch_weights(micro["old_logp"], micro["behavior"], args.mismatch, args.tis_cap,
-                                                    args.mask_window)
-                gap = (micro["old_logp"] - micro["behavior"]).abs() * mask
-                tally["gap_sum"] += float(gap.sum())
-                tally["gap_max"] = max(tally["gap_max"], float(gap.max()))
-                tally["entropy_sum"] += float((entropy * mask).sum())
-                tally["trained_tokens"] += int(mask.sum())
-                tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
+                if not old_from_learner:
+                    score_old(micro, *token_logprobs(model, micro["inputs"], micro["targets"], sampling))
                 if ref_model is not None:
                     micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"], sampling)
         per_minibatch = torch.tensor([[sum(float(m["mask"].sum()) for m in mb),
@@ -606,7 +620,9 @@ def main(argv=None):
                 if count == 0:  # nothing to learn from on any rank (every group filtered or masked)
                     continue
                 for micro in minibatch:
-                    logp, _ = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+                    logp, entropy = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+                    if old_from_learner:
+                        score_old(micro, logp.detach(), entropy.detach())
                     loss, stats = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["mask"],
                                               kind=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
                                               agg=args.loss_agg, dual_clip=args.dual_clip, weights=micro["weights"],
