@@ -276,16 +276,18 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
     Roll out `num_groups` groups of `group_size` completions. Each round draws ceil(oversample * num_groups)
     prompts of `task` (without replacement, from a random stream seeded by `seed`), generates all their groups in
     one Engine.generate call, scores them, and keeps groups in order until num_groups are kept (oversample > 1: more
-    groups per call, so that fewer rounds are needed when most groups have no contrast). With filter_zero_contrast (DAPO's dynamic sampling), a group whose shaped
-    rewards are all equal is dropped (its advantages would all be 0) and sampling continues, for at most
-    max_rounds rounds: the batch may then come back short, never with a zero-contrast group.
+    groups per call, so that fewer rounds are needed when most groups have no contrast). With filter_zero_contrast
+    (DAPO's dynamic sampling), a group whose shaped rewards are all equal is dropped (its advantages would all be
+    0) and sampling continues, for at most max_rounds rounds: the batch may then come back short, never with a
+    zero-contrast group.
     overlong_buffer > 0 adds overlong_penalty to each reward.
 
     Returns (groups, stats). A group is {"prompt": ids, "completions": [Completion], "rewards": [float] (shaped)};
     stats are sums over every sampled group, kept or not: the logs count the outcomes of filtered groups too.
     """
     if oversample < 1:
-        raise ValueError(f"oversample must be >= 1 (prompts per round = oversample x groups needed), got {oversample}")
+        raise ValueError(f"oversample must be >= 1 (prompts per round = oversample x groups needed), "
+                         f"got {oversample}")
     tokenizer = engine.tokenizer
     rng = random.Random(seed)
     groups = []

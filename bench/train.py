@@ -1,6 +1,7 @@
 """
 Training throughput of the model at a given depth: tokens/s of full optimizer steps (forward, backward, Muon +
-AdamW), the share of the step spent in the optimizers and in Muon alone, MFU against the GPU's bf16 peak, and peak memory.
+AdamW), the share of the step spent in the optimizers and in Muon alone, MFU against the GPU's bf16 peak, and peak
+memory.
 Random tokens: the speed of a step does not depend on the data.
 
     python bench/train.py --depth 4 --vocab-size 512 --max-seq-len 256 --device-batch-size 8    # CPU, tiny preset
