@@ -153,19 +153,6 @@ def sampling_logprobs(logits, temperature=1.0, top_k=None, top_p=None):
     return logits.log_softmax(-1)
 
 
-def sample_tokens(logprobs, generator):
-    """
-    One token per row of logprobs (B, V), drawn from exp(logprobs) by inverse CDF: the first token whose cumulative
-    probability exceeds u * total, u ~ U[0, 1) (a token of probability 0 is never drawn: its cumulative probability
-    equals its predecessor's). One uniform number per row: torch.multinomial draws an exponential per vocabulary
-    entry instead (the Gumbel trick), which was a quarter of a CPU decode step at 64 rows x 8192 tokens.
-    The sums are in float64, so rounding cannot favour a token.
-    """
-    cdf = logprobs.exp().double().cumsum(-1)  # (B, V)
-    u = torch.rand(cdf.size(0), 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=cdf.size(1) - 1)
-
-
 # -----------------------------------------------------------------------------
 # Calculator tool
 
@@ -320,10 +307,10 @@ class Engine:
             if temperature == 0:
                 sampled = logprobs.argmax(-1)  # (B,)
             else:
-                sampled = sample_tokens(logprobs, generator)  # (B,)
+                sampled = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
             sampled_logprobs = logprobs.gather(1, sampled[:, None]).squeeze(1)  # (B,)
-            # One device-to-host transfer per step: token ids (exact in float64) and log-probs together.
-            tokens, token_logprobs = torch.stack([sampled.double(), sampled_logprobs.double()]).tolist()
+            # One device-to-host transfer per step: token ids (exact in float32 below 2^24) and log-probs together.
+            tokens, token_logprobs = torch.stack([sampled.float(), sampled_logprobs]).tolist()
             forced = []  # (row index, token) of rows that took a tool-output token instead of the sampled one
             for i, (row, token, logprob) in enumerate(zip(rows, tokens, token_logprobs)):
                 if row.completion.finish is None:

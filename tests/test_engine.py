@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import scripted_model
-from engine import Engine, assistant_content, calculator, sample_tokens, sampling_logprobs
+from engine import Engine, assistant_content, calculator, sampling_logprobs
 from model import GPT, GPTConfig
 from tokenizer import Tokenizer
 
@@ -84,17 +84,6 @@ def test_sampling_logprobs_batched_and_validated():
     for kwargs in ({"temperature": -1}, {"top_k": 0}, {"top_p": 0}, {"top_p": 1.5}):
         with pytest.raises(ValueError):
             sampling_logprobs(LOGITS, **kwargs)
-
-
-def test_sample_tokens_follows_the_distribution_and_never_draws_a_removed_token():
-    logprobs = sampling_logprobs(LOGITS, top_k=3).expand(40000, -1)  # kept: 3 tokens, the other 2 at -inf
-    tokens = sample_tokens(logprobs, torch.Generator().manual_seed(0))
-    frequencies = torch.bincount(tokens, minlength=LOGITS.numel()) / tokens.numel()
-    probs = logprobs[0].exp()
-    assert frequencies[probs == 0].sum() == 0
-    assert torch.allclose(frequencies, probs, atol=0.01)  # 4 standard deviations of a frequency at 40000 draws
-    again = sample_tokens(logprobs, torch.Generator().manual_seed(0))
-    assert torch.equal(tokens, again)
 
 
 # -----------------------------------------------------------------------------
