@@ -30,8 +30,13 @@ import torch.nn.functional as F
 class KVCache:
     """
     Keys and values of every layer for B rows that may hold different numbers of tokens (prompts of different
-    lengths decoding in one batch). Row b holds lengths[b] tokens in slots 0 .. lengths[b]-1; new tokens take the
-    next slots, their rotary position is their slot, and each sees exactly the slots <= its own.
+    lengths decoding in one batch). Rows are right-aligned: every row's last token sits in slot filled - 1, so row b
+    holds its lengths[b] tokens in slots filled - lengths[b] .. filled - 1 and every row writes its next T tokens to
+    the same slots filled .. filled + T - 1 (one contiguous in-place copy per layer, no per-row indexing). A token's
+    rotary position is its index in its own row (lengths[b] + t), and it sees its row's slots up to its own.
+    When all rows hold the same number of tokens (one prompt x num_samples rows, the RL case) there is no padding and
+    a one-token step needs no attention mask at all, which lets SDPA take its fused kernels; otherwise the padding
+    mask (B, 1, 1, max_len) is built once and each step uses a slice of it.
     Per-layer storage (B, max_len, n_kv_head, head_dim) is allocated on the first insert, in the dtype the model
     computes in (bf16 under autocast). GPT.forward calls positions, attn_mask, insert (per layer) and advance.
     """
@@ -39,7 +44,8 @@ class KVCache:
     def __init__(self, batch_size, max_len, n_layer, device):
         self.max_len = max_len
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) tokens cached per row
-        self.filled = 0  # max(lengths), kept on the host so that no step waits on the device to know it
+        self.filled = 0  # slots in use (= max(lengths)), kept on the host so that no step waits on the device
+        self.padding = None  # (B, 1, 1, max_len) bool, True at a row's real slots; None: no row is padded
         self.keys = [None] * n_layer  # per layer (B, max_len, n_kv_head, head_dim)
         self.values = [None] * n_layer
 
@@ -47,34 +53,52 @@ class KVCache:
     def from_prefills(cls, prefills, repeats, max_len):
         """
         One cache for len(prefills) * repeats rows: rows i*repeats .. (i+1)*repeats - 1 start as copies of
-        prefills[i] (a batch-1 cache holding prompt i), with room for max_len tokens per row.
+        prefills[i] (a batch-1 cache holding prompt i), right-aligned, with room for max_len slots per row.
         """
         first = prefills[0]
         cache = cls(len(prefills) * repeats, max_len, len(first.keys), first.lengths.device)
         cache.lengths = torch.cat([p.lengths for p in prefills]).repeat_interleave(repeats)
         cache.filled = max(p.filled for p in prefills)
+        if any(p.filled != cache.filled for p in prefills):
+            first_slot = cache.filled - cache.lengths  # (B,) where each row's tokens start
+            slots = torch.arange(max_len, device=first_slot.device)
+            cache.padding = (slots >= first_slot[:, None])[:, None, None, :]  # (B, 1, 1, max_len)
         for layer in range(len(first.keys)):
             for name in ("keys", "values"):
                 src = getattr(first, name)[layer]  # (1, len(prompt 0), n_kv_head, head_dim)
                 store = src.new_zeros(cache.lengths.size(0), max_len, *src.shape[2:])
                 for i, p in enumerate(prefills):
-                    store[i * repeats:(i + 1) * repeats, :p.filled] = getattr(p, name)[layer][:, :p.filled]
+                    store[i * repeats:(i + 1) * repeats, cache.filled - p.filled:cache.filled] = \
+                        getattr(p, name)[layer][:, :p.filled]
                 getattr(cache, name)[layer] = store
         return cache
 
     def positions(self, T):
-        """(B, T) positions of the next T tokens of each row: lengths[b] + t."""
+        """(B, T) positions of the next T tokens of each row: lengths[b] + t; (1, T) when no row is padded."""
+        if self.padding is None:  # every row holds `filled` tokens: no need to read the lengths on the device
+            return torch.arange(self.filled, self.filled + T, device=self.lengths.device)[None]
         return self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
 
     def attn_mask(self, T):
-        """(B, 1, T, S), S = filled + T: True where query t of row b may attend to slot j, i.e. j <= lengths[b] + t."""
-        slots = torch.arange(self.filled + T, device=self.lengths.device)  # (S,)
-        return (slots <= self.positions(T)[:, :, None]).unsqueeze(1)
+        """
+        The mask of the next T tokens over slots 0 .. S - 1, S = filled + T: True where query t of row b may attend
+        to slot j, i.e. the row's own slots (padding) up to slot filled + t (causal). None when nothing is masked
+        out (no padding and T = 1) and when plain causal attention is exact (no padding, empty cache): then
+        GPT.forward runs SDPA without a mask.
+        """
+        S = self.filled + T
+        if T == 1:
+            return None if self.padding is None else self.padding[..., :S]  # (B, 1, 1, S), a view: nothing built
+        if self.padding is None and self.filled == 0:
+            return None
+        slots = torch.arange(S, device=self.lengths.device)
+        causal = slots <= torch.arange(self.filled, S, device=self.lengths.device)[:, None]  # (T, S)
+        return causal[None, None] if self.padding is None else causal & self.padding[..., :S]  # (1 or B, 1, T, S)
 
     def insert(self, layer, k, v):
         """
-        Write k, v (B, T, n_kv_head, head_dim) into each row's next T slots; return the layer's keys and values
-        (B, S, n_kv_head, head_dim) for slots 0 .. filled + T - 1 (slots past a row's length are masked out).
+        Write k, v (B, T, n_kv_head, head_dim) into slots filled .. filled + T - 1 of every row; return the layer's
+        keys and values (B, S, n_kv_head, head_dim) for slots 0 .. filled + T - 1 (padding slots are masked out).
         """
         B, T = k.shape[:2]
         if self.filled + T > self.max_len:
@@ -82,11 +106,9 @@ class KVCache:
         if self.keys[layer] is None:
             self.keys[layer] = k.new_zeros(B, self.max_len, *k.shape[2:])
             self.values[layer] = v.new_zeros(B, self.max_len, *v.shape[2:])
-        rows = torch.arange(B, device=k.device)[:, None]  # (B, 1)
-        slots = self.positions(T)  # (B, T)
-        self.keys[layer][rows, slots] = k
-        self.values[layer][rows, slots] = v
         S = self.filled + T
+        self.keys[layer][:, self.filled:S] = k
+        self.values[layer][:, self.filled:S] = v
         return self.keys[layer][:, :S], self.values[layer][:, :S]
 
     def advance(self, T):
@@ -322,14 +344,24 @@ class Engine:
                     sampled.append(torch.multinomial(logprobs[-1].exp(), 1, generator=generator).squeeze(1))
             logprobs, sampled = torch.cat(logprobs), torch.cat(sampled)  # (B, V), (B,)
             sampled_logprobs = logprobs.gather(1, sampled[:, None]).squeeze(1)  # (B,)
-            for row, token, logprob in zip(rows, sampled.tolist(), sampled_logprobs.tolist()):
+            # One device-to-host transfer per step: token ids (exact in float32 below 2^24) and log-probs together.
+            tokens, token_logprobs = torch.stack([sampled.float(), sampled_logprobs]).tolist()
+            forced = []  # (row index, token) of rows that took a tool-output token instead of the sampled one
+            for i, (row, token, logprob) in enumerate(zip(rows, tokens, token_logprobs)):
                 if row.completion.finish is None:
-                    self._step_row(row, token, logprob, max_tokens)
+                    self._step_row(row, int(token), logprob, max_tokens)
+                    if row.completion.mask[-1] == 0:
+                        forced.append((i, row.completion.tokens[-1]))
             yield [row.completion for row in rows]
             if all(row.completion.finish is not None for row in rows):
                 return
-            # Every row feeds its last token; a finished row's outputs are never read, so the batch keeps its shape.
-            next_ids = torch.tensor([[row.completion.tokens[-1]] for row in rows], device=device)  # (B, 1)
+            # The sampled tokens stay on the device as the next input; only forced tool tokens come from the host.
+            # A finished row's outputs are never read, so it feeds whatever it sampled and the batch keeps its shape.
+            next_ids = sampled[:, None]  # (B, 1)
+            if forced:
+                index, values = zip(*forced)
+                next_ids = next_ids.index_put((torch.tensor(index, device=device),),
+                                              torch.tensor(values, device=device)[:, None])
             logits = model(next_ids, kv_cache=kv_cache)[:, -1]  # (B, V)
 
     def _step_row(self, row, sampled, logprob, max_tokens):

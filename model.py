@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -105,9 +106,9 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.insert(self.layer_idx, k, v)  # (B, S, n_kv_head, D): all cached keys, new ones included
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T or S, D)
-        # Without a cache the T tokens attend causally among themselves; with one, attn_mask (B, 1, T, S) says
-        # which cached keys each query sees (key position <= query position, per row).
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+        # attn_mask (B or 1, 1, T, S) says which cached keys each query sees (its row's keys up to its own position);
+        # None means plain causal attention among the T tokens (S = T), or, for a single token, attend to all S.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and T > 1,
                                            enable_gqa=self.n_kv_head != self.n_head)  # (B, n_head, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -262,7 +263,7 @@ class GPT(nn.Module):
                 raise ValueError(f"KV cache would reach position {kv_cache.filled + T}, beyond the rotary tables "
                                  f"({self.rotary_len} = sequence_len * {ROTARY_MARGIN})")
             positions = kv_cache.positions(T)  # (B, T)
-            attn_mask = kv_cache.attn_mask(T)  # (B, 1, T, S)
+            attn_mask = kv_cache.attn_mask(T)  # (B or 1, 1, T, S) or None
         x = norm(self.wte(idx))  # (B, T, C)
         cos = self.cos[positions][:, :, None]  # (B or 1, T, 1, D/2), broadcast over heads
         sin = self.sin[positions][:, :, None]
@@ -393,8 +394,11 @@ class Muon(torch.optim.Optimizer):
     The orthogonalized update has all its singular values near 1: every direction of the update moves by the
     same amount, however ill-conditioned the raw gradient is. sqrt(max(1, rows / cols)) gives tall matrices
     (e.g. the MLP's (4d, d) input projection) the same per-entry update RMS as square ones.
-    Under DDP the gradients arrive already averaged, so every rank computes the same update (nanochat's DistMuon
-    shards this work across ranks instead; by FLOP count the duplicated Newton–Schulz is ~5% of a depth-20 step).
+    By the batch: matrices of one shape (e.g. every layer's c_q) are stacked and orthogonalized in one batched
+    Newton–Schulz call, not one call per matrix (a depth-20 model has 120 matrices but only 3 shapes).
+    Under DDP the gradients arrive already averaged, so every rank would compute the same update: instead each rank
+    orthogonalizes its 1/world_size share of every stack and the shares are all-gathered (nanochat's DistMuon shares
+    the work the same way). The momentum buffers stay on every rank, so rank 0's state dict is the whole state.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
@@ -410,6 +414,7 @@ class Muon(torch.optim.Optimizer):
     def step(self):
         for group in self.param_groups:
             beta = group["momentum"]
+            stacks = {}  # shape -> ([params], [Nesterov momenta])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -419,7 +424,30 @@ class Muon(torch.optim.Optimizer):
                 m = state["momentum_buffer"]
                 m.lerp_(p.grad, 1 - beta)
                 u = p.grad.lerp(m, beta) if group["nesterov"] else m
-                update = orthogonalize(u, group["ns_steps"])
-                scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-group["lr"] * scale)
+                stack = stacks.setdefault(p.shape, ([], []))
+                stack[0].append(p)
+                stack[1].append(u)
+            for (rows, cols), (params, momenta) in stacks.items():
+                updates = orthogonalize_shared(torch.stack(momenta), group["ns_steps"])  # (n, rows, cols)
+                scale = max(1.0, rows / cols) ** 0.5
+                for p, update in zip(params, updates):
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                    p.add_(update, alpha=-group["lr"] * scale)
+
+
+def orthogonalize_shared(U, steps=5):
+    """
+    orthogonalize() of a stack U (n, rows, cols), shared across the DDP ranks: rank r orthogonalizes matrices
+    r * k .. (r + 1) * k - 1, k = ceil(n / world_size), in one batched call, and all-gather gives every rank all n
+    (the stack is padded with zero matrices to k * world_size; they orthogonalize to zero). One process: one call.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return orthogonalize(U, steps)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = U.size(0)
+    k = -(-n // world)
+    padded = torch.cat([U, U.new_zeros(k * world - n, *U.shape[1:])])
+    gathered = torch.empty_like(padded)
+    shares = list(gathered.chunk(world))  # contiguous views, filled in place by all_gather
+    dist.all_gather(shares, orthogonalize(padded[rank * k:(rank + 1) * k], steps).contiguous())
+    return gathered[:n]

@@ -202,10 +202,14 @@ def main(argv=None):
         print0(f"resumed from {args.out} at step {start_step}")
     logger = Logger(args.run, vars(args))
     orig_model = model  # uncompiled, unwrapped: evaluation, sampling and checkpoints use it
+    # DDP first, then compile: compiling the wrapped model lets the compiler split the graph at DDP's gradient
+    # buckets, so each bucket's all-reduce overlaps the rest of backward. The rotary tables are buffers but not
+    # state (identical on every rank): no per-step broadcast of them.
+    if is_ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                                          broadcast_buffers=False)
     if device.type == "cuda":
         model = torch.compile(model, dynamic=False)
-    if is_ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
     # -------------------------------------------------------------------------
     # Data: this rank's documents packed into (B, T) rows; a fixed validation set
@@ -229,6 +233,17 @@ def main(argv=None):
         raise ValueError(f"the validation split has fewer than --eval-tokens {args.eval_tokens} tokens; lower it")
     token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.long)
     prompts = [tokenizer.encode(p, prepend="<|bos|>") for p in SAMPLE_PROMPTS[args.data]]
+
+    def fetch():
+        """The next training batch already on its way to the device (x, y, data position after it), or None at the
+        end of the corpus. Called right after a backward, so that the host packs and copies the next batch while
+        the device computes (pinned memory makes the copy asynchronous on CUDA)."""
+        x, y, position = next(batches, (None, None, None))
+        if x is None:
+            return None
+        if device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True), position
 
     def save(step, finished):
         """Checkpoint on rank 0; every rank contributes its data position (an all-gather, so all ranks call it)."""
@@ -254,6 +269,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------
     # Training loop. Step s: evaluate / sample / save (the state after s updates), then one optimizer update.
     val_bpb, loss_value, peak = None, None, peak_flops(device)
+    next_batch = fetch()
     for step in range(start_step, num_iterations + 1):
         last_step = step == num_iterations
         if last_step or args.eval_every and step % args.eval_every == 0:
@@ -275,7 +291,11 @@ def main(argv=None):
         if args.save_every and step > start_step and step % args.save_every == 0:
             save(step, finished=False)
 
-        synchronize(device)
+        # The host waits for the device (a loss .item(), a synchronize) only on steps it logs; on the others it
+        # queues the next step at once. A NaN loss is caught on the next logged step (and at any checkpoint by the
+        # finite-weights check in save()).
+        host_step = (step % args.log_every == 0 or step % max(num_iterations // 200, 1) == 0
+                     or step == num_iterations - 1)
         t0 = time.time()
         lrm = lr_multiplier(step, num_iterations, args.warmup_frac, args.warmdown_frac)
         for optimizer in optimizers:
@@ -285,11 +305,10 @@ def main(argv=None):
             group["momentum"] = muon_momentum(step)
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(grad_accum):
-            x, y, data_position = next(batches, (None, None, None))
-            if x is None:
+            if next_batch is None:
                 raise RuntimeError(f"ran out of training documents at step {step}: the corpus is smaller than "
                                    f"{total_tokens:,} tokens; lower --num-iterations or add data")
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x, y, data_position = next_batch
             # DDP all-reduces gradients only on the last micro-step; the others just accumulate locally.
             accumulate_only = is_ddp and micro_step < grad_accum - 1
             with model.no_sync() if accumulate_only else nullcontext():
@@ -298,19 +317,21 @@ def main(argv=None):
                     # chunked path would recompute lm_head's forward in backward (~5% of a depth-20 step).
                     loss = model(x, y, logits_chunk=None)
                 (loss / grad_accum).backward()
+            next_batch = fetch()  # while the device runs the backward just queued
             loss_sum += loss.detach()
         for optimizer in optimizers:
             optimizer.step()
         model.zero_grad(set_to_none=True)
-        if is_ddp:
-            dist.all_reduce(loss_sum)  # every rank sees the same loss, so a NaN stops all of them together
-        loss_value = loss_sum.item() / (grad_accum * world_size)
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at step {step}: training diverged. The last good "
-                                     f"checkpoint in {args.out} is intact; lower the learning rates and rerun, or "
-                                     "--resume from it")
-        synchronize(device)
-        dt = time.time() - t0
+        if host_step:
+            if is_ddp:
+                dist.all_reduce(loss_sum)  # every rank sees the same loss, so a NaN stops all of them together
+            loss_value = loss_sum.item() / (grad_accum * world_size)
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss is {loss_value} at step {step}: training diverged. The last good "
+                                         f"checkpoint in {args.out} is intact; lower the learning rates and rerun, "
+                                         "or --resume from it")
+            synchronize(device)
+        dt = time.time() - t0  # on other steps the time to queue the step; their sum up to a logged step is exact
         if step - start_step >= 3:  # the first steps include compilation and warm-up: not counted in throughput
             train_seconds += dt
             train_tokens += args.total_batch_size

@@ -37,7 +37,7 @@ The default recipe (`--preset` only chooses data, sizes and learning rates; the 
       off-policy RL training"): weights min(pi_trainer / pi_engine, 2) correct the sampler/learner numerical gap
       (bf16 kernels, different batch shapes); on CPU fp32 the gap is ~0 and the weights are 1.
     - fully on-policy by default: one epoch, one minibatch, so the PPO ratio is 1 and clipping only matters when
-      --epochs or --minibatches is raised.
+      --epochs or --minibatches is raised (then, and only then, a no-grad pass scores the old log-probs first).
 """
 
 import argparse
@@ -312,11 +312,13 @@ def score_group(task, conversation, completions, tokenizer):
 
 
 def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed, filter_zero_contrast=True,
-                  max_rounds=4, overlong_buffer=0, rank=0, world_size=1):
+                  max_rounds=4, overlong_buffer=0, rank=0, world_size=1, oversample=1.0):
     """
-    Roll out `num_groups` groups of `group_size` completions on this rank. Each round takes num_groups prompts of
-    `task`, generates, scores, and keeps groups until num_groups are kept. The prompts of a whole step are one draw
-    without replacement (seeded by `seed`, which must be the same on every rank): round k of rank r takes chunk
+    Roll out `num_groups` groups of `group_size` completions on this rank. Each round takes
+    ceil(oversample * num_groups) prompts of `task`, generates all their groups in one Engine.generate call, scores
+    them, and keeps groups in order until num_groups are kept (oversample > 1: more groups per call, so that fewer
+    rounds are needed when most groups have no contrast). The prompts of a whole step are one draw without
+    replacement (seeded by `seed`, which must be the same on every rank): round k of rank r takes chunk
     k * world_size + r of it, so a step never holds the same prompt twice, across rounds or ranks; the sampling
     noise differs per rank and round.
 
@@ -332,15 +334,19 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
     "errors": [bool] (the verifier failed: no reward, left out of training by learner_rows)}; stats are sums over
     every sampled group, kept or not: the logs count the outcomes of filtered groups too.
     """
+    if oversample < 1:
+        raise ValueError(f"oversample must be >= 1 (prompts per round = oversample x groups needed), "
+                         f"got {oversample}")
     tokenizer = engine.tokenizer
-    draws = random.Random(seed).sample(range(len(task)), min(len(task), max_rounds * world_size * num_groups))
+    per_round = math.ceil(oversample * num_groups)
+    draws = random.Random(seed).sample(range(len(task)), min(len(task), max_rounds * world_size * per_round))
     groups = []
     stats = dict.fromkeys(["groups", "completions", "reward_sum", "reward_sq_sum", "correct", "errors",
                            "zero_contrast", "length_sum", "truncated", "rounds"], 0)
     stats["length_max"] = 0
     for round_index in range(max_rounds):
-        start = (round_index * world_size + rank) * num_groups
-        indices = draws[start:start + num_groups]
+        start = (round_index * world_size + rank) * per_round
+        indices = draws[start:start + per_round]
         if not indices:  # every prompt of the task is already in this step
             break
         conversations = [task[i] for i in indices]
@@ -504,6 +510,9 @@ def parse_args(argv=None):
     add("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
         help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
     add("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
+    add("--oversample", type=float, default=1.0,
+        help="prompts per sampling round = oversample x the groups needed, all in one generate call; the first "
+             "groups with contrast are kept (e.g. 2-3 when most groups have none; 1: off)")
     add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
     add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
     # advantages and loss
@@ -648,7 +657,7 @@ def main(argv=None):
                                             sampling, seed=mix_seed(args.seed, step),
                                             filter_zero_contrast=args.filter_zero_contrast,
                                             max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer,
-                                            rank=rank, world_size=world_size)
+                                            rank=rank, world_size=world_size, oversample=args.oversample)
         synchronize(device)
         t1 = time.time()
 
@@ -670,18 +679,25 @@ def main(argv=None):
                  "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf,
                  "ratio_max": -math.inf, "positions_real": positions[0], "positions_padded": positions[1]}
         # (the same keys on every rank: reduced across ranks below)
+        # One epoch of one minibatch updates once, after every micro-batch is scored: its ratio is exactly 1, so the
+        # learner pass's own log-probs, detached, are the old ones and this extra no-grad pass is skipped.
+        old_from_learner = args.epochs == 1 and args.minibatches == 1
+
+        def score_old(micro, old_logp, entropy):
+            micro["old_logp"], mask = old_logp, micro["mask"]
+            micro["weights"] = mismatch_weights(old_logp, micro["behavior"], args.mismatch, args.tis_cap,
+                                                args.mask_window)
+            gap = (old_logp - micro["behavior"]).abs() * mask
+            tally["gap_sum"] += float(gap.sum())
+            tally["gap_max"] = max(tally["gap_max"], float(gap.max()))
+            tally["entropy_sum"] += float((entropy * mask).sum())
+            tally["trained_tokens"] += int(mask.sum())
+            tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
+
         with torch.no_grad():
             for micro in (micro for mb in minibatches for micro in mb):
-                micro["old_logp"], entropy = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
-                mask = micro["mask"]
-                micro["weights"] = mismatch_weights(micro["old_logp"], micro["behavior"], args.mismatch, args.tis_cap,
-                                                    args.mask_window)
-                gap = (micro["old_logp"] - micro["behavior"]).abs() * mask
-                tally["gap_sum"] += float(gap.sum())
-                tally["gap_max"] = max(tally["gap_max"], float(gap.max()))
-                tally["entropy_sum"] += float((entropy * mask).sum())
-                tally["trained_tokens"] += int(mask.sum())
-                tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
+                if not old_from_learner:
+                    score_old(micro, *token_logprobs(model, micro["inputs"], micro["targets"], sampling))
                 if ref_model is not None:
                     micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"],
                                                           reference_sampling(sampling))
@@ -703,7 +719,9 @@ def main(argv=None):
                 if count == 0:  # nothing to learn from on any rank (every group filtered or masked)
                     continue
                 for micro in minibatch:
-                    logp, _ = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+                    logp, entropy = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+                    if old_from_learner:
+                        score_old(micro, logp.detach(), entropy.detach())
                     loss, stats = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["mask"],
                                               kind=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
                                               agg=args.loss_agg, dual_clip=args.dual_clip, weights=micro["weights"],

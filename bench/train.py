@@ -1,6 +1,7 @@
 """
 Training throughput of the model at a given depth: tokens/s of full optimizer steps (forward, backward, Muon +
-AdamW), the share of the step spent in the optimizers, MFU against the GPU's bf16 peak, and peak memory.
+AdamW), the share of the step spent in the optimizers and in Muon alone, MFU against the GPU's bf16 peak, and peak
+memory.
 Random tokens: the speed of a step does not depend on the data.
 
     python bench/train.py --depth 4 --vocab-size 512 --max-seq-len 256 --device-batch-size 8    # CPU, tiny preset
@@ -47,7 +48,7 @@ def main():
 
     x = torch.randint(0, args.vocab_size, (args.device_batch_size, args.max_seq_len + 1), device=device)
     inputs, targets = x[:, :-1], x[:, 1:]
-    step_seconds, optimizer_seconds = 0.0, 0.0
+    step_seconds, optimizer_seconds, muon_seconds = 0.0, 0.0, 0.0
     for step in range(args.warmup_steps + args.steps):
         synchronize(device)
         t0 = time.time()
@@ -56,18 +57,22 @@ def main():
         loss.backward()
         synchronize(device)
         t1 = time.time()
-        for optimizer in optimizers:
-            optimizer.step()
-        model.zero_grad(set_to_none=True)
+        adamw, muon = optimizers
+        adamw.step()
+        synchronize(device)
+        t_muon = time.time()
+        muon.step()
         synchronize(device)
         t2 = time.time()
+        model.zero_grad(set_to_none=True)
         if step >= args.warmup_steps:
             step_seconds += t2 - t0
             optimizer_seconds += t2 - t1
+            muon_seconds += t2 - t_muon
 
     tokens_per_sec = args.steps * tokens_per_step / step_seconds
     line = (f"{tokens_per_sec:,.0f} tokens/s | {1000 * step_seconds / args.steps:.1f} ms/step, of which optimizers "
-            f"{100 * optimizer_seconds / step_seconds:.0f}%")
+            f"{100 * optimizer_seconds / step_seconds:.0f}% (Muon {100 * muon_seconds / step_seconds:.1f}%)")
     peak = peak_flops(device)
     if peak:
         line += f" | MFU {100 * model.flops_per_token() * tokens_per_sec / peak:.1f}%"

@@ -1,6 +1,13 @@
-"""Muon: Newton–Schulz orthogonalization, the update rule by hand, and GPT.setup_optimizers' groups and lr scaling."""
+"""
+Muon: Newton–Schulz orthogonalization, the update rule by hand, the batched update against one matrix at a time,
+2 ranks (gloo) sharing the work against 1 rank, and GPT.setup_optimizers' groups and lr scaling.
+"""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +76,64 @@ def test_muon_update_has_flat_spectrum_whatever_the_gradient():
     Muon([W], lr=0.01).step()
     s = torch.linalg.svdvals(W.detach() / 0.01)
     assert s[:3].min() > 0.6 and s[:3].max() < 1.25 and s[3:].max() < 1e-4
+
+
+def mixed_shape_params(seed=0):
+    """3 square, 2 tall and 1 wide matrix: stacks of 3, 2 and 1 (3 is odd: 2 ranks pad it)."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(16, 16), (64, 16), (16, 16), (16, 64), (64, 16), (16, 16)]
+    return [torch.nn.Parameter(torch.randn(*shape, generator=generator)) for shape in shapes]
+
+
+def muon_steps(params, optimizers, steps=3, seed=1):
+    """`steps` steps with seeded gradients; returns the parameters afterwards."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        for optimizer in optimizers:
+            optimizer.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_batched_muon_equals_one_matrix_at_a_time():
+    params = mixed_shape_params()
+    batched = muon_steps(params, [Muon(params, lr=0.05, weight_decay=0.1)])
+    params = mixed_shape_params()
+    one_by_one = muon_steps(params, [Muon([p], lr=0.05, weight_decay=0.1) for p in params])  # stacks of 1
+    for a, b in zip(batched, one_by_one):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+TWO_RANKS_DRIVER = """
+import os, sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+import torch, torch.distributed as dist
+from model import Muon
+from test_muon import mixed_shape_params, muon_steps
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+params = mixed_shape_params()
+torch.save(muon_steps(params, [Muon(params, lr=0.05, weight_decay=0.1)]),
+           os.path.join({out!r}, "rank" + os.environ["RANK"] + ".pt"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_sharing_newton_schulz_equal_one_rank(tmp_path):
+    repo = Path(__file__).resolve().parent.parent
+    driver = tmp_path / "driver.py"
+    driver.write_text(TWO_RANKS_DRIVER.format(repo=str(repo), tests=str(repo / "tests"), out=str(tmp_path)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver)]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    params = mixed_shape_params()
+    single = muon_steps(params, [Muon(params, lr=0.05, weight_decay=0.1)])
+    for rank in (0, 1):
+        for a, b in zip(torch.load(tmp_path / f"rank{rank}.pt"), single):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_muon_rejects_non_matrices():

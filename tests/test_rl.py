@@ -380,6 +380,43 @@ def test_dynamic_sampling_gives_up_after_the_cap_and_counts_verifier_errors(mode
     assert stats["reward_sum"] == stats["correct"] == 0
 
 
+def test_one_generate_call_per_round_oversampled(model, tokenizer, monkeypatch):
+    engine = Engine(model, tokenizer)
+    calls = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda prompts, **kwargs: calls.append(len(prompts)) or
+                        generate(prompts, **kwargs))
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    groups, stats = rl.sample_groups(engine, LengthParity(), 3, 4, 8, sampling, seed=1, max_rounds=6, oversample=2.5)
+    assert calls == [8] * stats["rounds"]  # ceil(2.5 * 3) prompts, all in one call per round
+    assert len(groups) == 3 and all(len(set(g["rewards"])) > 1 for g in groups)
+    assert stats["groups"] == 8 * stats["rounds"]
+    with pytest.raises(ValueError, match="oversample"):
+        rl.sample_groups(engine, LengthParity(), 3, 4, 8, sampling, seed=1, oversample=0.5)
+
+
+def test_learner_logprobs_detached_are_exactly_the_old_logprobs(model, tokenizer):
+    # What skipping the no-grad old-log-prob pass (--epochs 1 --minibatches 1) relies on: before any update, the
+    # learner pass's log-probs, detached, equal that pass bit for bit, so the loss and its gradient are the same.
+    engine = Engine(model, tokenizer)
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    groups, _ = rl.sample_groups(engine, LengthParity(), 2, 4, 8, sampling, seed=3, filter_zero_contrast=False)
+    rows = rl.learner_rows(groups, 4, "std", "mean", False)
+    micro = rl.collate_rollouts(rows, tokenizer.bos_id, "cpu")
+    with torch.no_grad():
+        old, _ = rl.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+    results = []
+    for detached in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, _ = rl.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+        loss, _ = rl.policy_loss(logp, logp.detach() if detached else old, micro["advantages"], micro["mask"])
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    model.zero_grad(set_to_none=True)
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
 # -----------------------------------------------------------------------------
 # The loop, in-process
 
@@ -419,6 +456,21 @@ def test_main_trains_saves_reports_and_resumes(monkeypatch, tmp_path, checkpoint
     resumed, _, _ = load_model(out, "cpu")
     for a, b in zip(resumed.state_dict().values(), final.state_dict().values()):
         torch.testing.assert_close(a, b)
+
+
+def test_old_logprob_pass_runs_only_when_the_policy_moves_between_updates(monkeypatch, tmp_path, checkpoint):
+    # Same seed, same rollouts and micro-batches (M of them): with 1 epoch x 1 minibatch only the learner pass
+    # scores them (M calls); with 2 epochs the old-log-prob pass runs first (M + 2 M calls).
+    calls = []
+    token_logprobs = rl.token_logprobs
+    monkeypatch.setattr(rl, "token_logprobs", lambda model, *args: calls.append(1) or token_logprobs(model, *args))
+    counts = []
+    for epochs in ("1", "2"):
+        calls.clear()
+        run_rl(monkeypatch, tmp_path / epochs, checkpoint, "--num-steps", "1", "--eval-every", "1",
+               "--epochs", epochs)
+        counts.append(len(calls))
+    assert counts[0] > 0 and counts[1] == 3 * counts[0]
 
 
 def test_dry_run_builds_everything_and_stops(monkeypatch, tmp_path, checkpoint, capsys):
