@@ -34,7 +34,7 @@ from engine import Engine
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
 from tasks import (GSM8K, RowTooLong, SyntheticPreferences, SyntheticTask, TaskMixture, UltraFeedback, collate,
-                   prepare_rows, safe_reward)
+                   prepare_rows, safe_reward, token_budget_batches)
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo")
 # What a DPO step logs (means over the step's pairs), TRL's names.
@@ -43,20 +43,21 @@ STAT_NAMES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, ~20-30 min for a depth-20 model): one epoch of UltraFeedback-binarized train_prefs (61k pairs, ~600
-# tokens a side): a reference pass (forward only) plus a policy pass over ~75M tokens; 8 pairs (16 sequences) per
-# micro-batch keep the float32 logits near 9 GB. --pairs self-generated --task gsm8k instead samples 8 answers to each
-# of the 7.5k GSM8K train problems (the generation dominates: ~10 min) and keeps one correct/incorrect pair per problem
-# that has both.
+# tokens a side): a reference pass (forward only) plus a policy pass over ~75M tokens; micro-batches of 32,768 padded
+# positions (8 pairs of 2,048-token sides at most) need ~61 GiB per GPU with chunked logits (model.training_memory);
+# tiny: 8,192 = 16 pairs of the 256-token context, the old 16-pair micro-batch at its longest.
+# --pairs self-generated --task gsm8k instead samples 8 answers to each of the 7.5k GSM8K train problems (the
+# generation dominates: ~10 min) and keeps one correct/incorrect pair per problem that has both.
 PRESETS = {
     # Measured on the tiny pipeline (held-out greedy pass@1 of the SFT model: 52%): self-generated pairs raise it
     # to 73%; the static synthetic pairs (88% held-out preference accuracy) leave it at 50%: they teach mistakes the
     # model does not make. At 3x this rate without --sft-weight the chosen log-probs drift down and the final
     # '#### <answer>' line degenerates; with it, 94%. The rate is gentle on purpose, so that RL keeps headroom.
     "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=1024, eval_pairs=256, samples=8,
-                 temperature=1.0, beta=0.1, sft_weight=1.0, lr_frac=0.03, batch_size=32, device_batch_size=16,
+                 temperature=1.0, beta=0.1, sft_weight=1.0, lr_frac=0.03, batch_size=32, device_batch_tokens=8192,
                  epochs=1, eval_every=5, check_problems=256, check_samples=4, max_new_tokens=64, save_every=5),
     "full": dict(pairs="ultrafeedback", task="gsm8k", train_pairs=None, eval_pairs=1000, samples=8,
-                 temperature=1.0, beta=0.1, sft_weight=0.0, lr_frac=0.01, batch_size=256, device_batch_size=8,
+                 temperature=1.0, beta=0.1, sft_weight=0.0, lr_frac=0.01, batch_size=256, device_batch_tokens=32768,
                  epochs=1, eval_every=50, check_problems=500, check_samples=1, max_new_tokens=512, save_every=100),
 }
 
@@ -187,6 +188,15 @@ def pair_batch(pairs, pad_id):
     return collate([chosen for chosen, _ in pairs] + [rejected for _, rejected in pairs], pad_id)
 
 
+def pair_micro_batches(pairs, max_tokens):
+    """
+    Micro-batches of pairs (lists of indices into `pairs`) of at most max_tokens padded positions each, the two sides
+    of a pair in the same one (tasks.token_budget_batches), and the fraction of the positions that are padding.
+    """
+    return token_budget_batches([[len(chosen) - 1, len(rejected) - 1] for (chosen, _), (rejected, _) in pairs],
+                                max_tokens)
+
+
 def pair_logps(model, pairs, pad_id, device):
     """Policy (or reference) sequence log-probs and lengths of a list of pairs: four (B,) tensors."""
     inputs, targets = pair_batch(pairs, pad_id)
@@ -197,13 +207,13 @@ def pair_logps(model, pairs, pad_id, device):
 
 
 @torch.no_grad()
-def reference_logps(model, pairs, batch_size, pad_id, device):
-    """(N, 2) reference log-probs [chosen, rejected] of every pair, computed once, batch by batch."""
-    out = []
-    for i in range(0, len(pairs), batch_size):
-        chosen, rejected, _, _ = pair_logps(model, pairs[i:i + batch_size], pad_id, device)
-        out.append(torch.stack([chosen, rejected], dim=1).float())
-    return torch.cat(out) if out else torch.zeros(0, 2, device=device)
+def reference_logps(model, pairs, batch_tokens, pad_id, device):
+    """(N, 2) reference log-probs [chosen, rejected] of every pair, computed once, in micro-batches of batch_tokens."""
+    out = torch.zeros(len(pairs), 2, device=device)
+    for batch in pair_micro_batches(pairs, batch_tokens)[0]:
+        chosen, rejected, _, _ = pair_logps(model, [pairs[i] for i in batch], pad_id, device)
+        out[batch] = torch.stack([chosen, rejected], dim=1).float()
+    return out
 
 
 def preference_losses(policy, pairs, ref, args, pad_id, device):
@@ -241,9 +251,8 @@ def mean_stats(stat_sums, count, device):
 def evaluate_preferences(model, pairs, ref, args, pad_id, device):
     """Held-out preference statistics (loss, rewards, margins, accuracy, log-probs), means over all ranks' pairs."""
     sums = Counter()
-    for i in range(0, len(pairs), args.device_batch_size):
-        _, stats = preference_losses(model, pairs[i:i + args.device_batch_size], ref[i:i + args.device_batch_size],
-                                     args, pad_id, device)
+    for batch in pair_micro_batches(pairs, args.device_batch_tokens)[0]:
+        _, stats = preference_losses(model, [pairs[i] for i in batch], ref[batch], args, pad_id, device)
         sums.update(stats)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     return mean_stats({name: sums.get(name, zero) for name in STAT_NAMES}, len(pairs), device)
@@ -340,7 +349,8 @@ def main(argv=None):
                         help="keep a frozen reference model and run it every step instead of precomputing")
     parser.add_argument("--epochs", type=int, help="passes over the training pairs")
     parser.add_argument("--batch-size", type=int, help="pairs per optimizer step, all ranks together")
-    parser.add_argument("--device-batch-size", type=int, help="pairs per micro-batch per rank")
+    parser.add_argument("--device-batch-tokens", type=int, help="padded positions (rows x longest row, both sides of "
+                        "each pair) per micro-batch per rank; at least 2 x --max-seq-len")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="longest side of a pair, in tokens; longer pairs are skipped (default: the model's "
                              "sequence_len)")
@@ -384,9 +394,11 @@ def main(argv=None):
     eval_pairs, eval_counts, eval_shares = build_pairs(args, model, tokenizer, "test", max_seq_len)
     print0(f"pairs: train {dict(train_counts)} | held-out {dict(eval_counts)}")
 
-    if args.batch_size % (args.device_batch_size * world_size):
-        raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --device-batch-size "
-                         f"{args.device_batch_size} x {world_size} ranks")
+    if args.batch_size % world_size:
+        raise ValueError(f"--batch-size {args.batch_size} is not a multiple of the {world_size} ranks")
+    if args.device_batch_tokens < 2 * max_seq_len:
+        raise ValueError(f"--device-batch-tokens {args.device_batch_tokens} cannot hold a pair of two "
+                         f"--max-seq-len {max_seq_len} sides; raise it to {2 * max_seq_len} or lower --max-seq-len")
     pairs_per_rank = args.batch_size // world_size
     min_pairs = min(n for n, _ in train_shares)  # every rank must take the same number of steps
     num_steps = args.epochs * min_pairs // pairs_per_rank
@@ -394,8 +406,8 @@ def main(argv=None):
         raise ValueError(f"{min_pairs} training pairs per rank are fewer than one step's {pairs_per_rank}; "
                          "generate more (--train-pairs, --samples) or lower --batch-size")
     tokens = sum(t for _, t in train_shares)  # one pass over the training pairs, padding not counted
-    print0(f"{num_steps} steps of {args.batch_size} pairs ({pairs_per_rank // args.device_batch_size} x "
-           f"{args.device_batch_size} per rank) over {min_pairs * world_size} pairs, "
+    print0(f"{num_steps} steps of {args.batch_size} pairs ({pairs_per_rank} per rank in micro-batches of <= "
+           f"{args.device_batch_tokens:,} padded tokens) over {min_pairs * world_size} pairs, "
            f"{sum(n for n, _ in eval_shares)} held-out pairs; one pass is {tokens:,} tokens, "
            f"~{model.flops_per_token() * tokens:.1e} FLOPs (+1/3 for the reference pass)")
 
@@ -408,9 +420,9 @@ def main(argv=None):
 
     reference = copy.deepcopy(model).requires_grad_(False) if args.live_reference else None
     if reference is None:
-        train_ref = reference_logps(model, train_pairs, args.device_batch_size, pad_id, device)  # (N, 2)
+        train_ref = reference_logps(model, train_pairs, args.device_batch_tokens, pad_id, device)  # (N, 2)
         print0("reference log-probs precomputed; the reference model is not kept")
-    eval_ref = reference_logps(model, eval_pairs, args.device_batch_size, pad_id, device)  # (N_eval, 2)
+    eval_ref = reference_logps(model, eval_pairs, args.device_batch_tokens, pad_id, device)  # (N_eval, 2)
     print0(f"data and reference ready in {time.time() - t0:.0f}s")
 
     # The SFT model's scores; its preference margins are all 0 (policy = reference), so its accuracy is 0.
@@ -432,7 +444,6 @@ def main(argv=None):
         policy = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     logger = common.Logger(args.run, vars(args))
 
-    micro_steps = pairs_per_rank // args.device_batch_size
     t0 = time.time()
     for step in range(start_step, num_steps):
         lr_multiplier = 1.0 - step / num_steps  # linear decay to 0
@@ -440,9 +451,10 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * lr_multiplier
         positions = [(step * pairs_per_rank + i) % len(train_pairs) for i in range(pairs_per_rank)]
+        micro, padding = pair_micro_batches([train_pairs[p] for p in positions], args.device_batch_tokens)
         sums = Counter()
-        for m in range(micro_steps):
-            chunk = positions[m * args.device_batch_size:(m + 1) * args.device_batch_size]
+        for m, batch in enumerate(micro):
+            chunk = [positions[i] for i in batch]
             pairs = [train_pairs[p] for p in chunk]
             if reference is None:
                 ref = train_ref[chunk]  # (B, 2)
@@ -450,19 +462,21 @@ def main(argv=None):
                 with torch.no_grad():
                     ref = torch.stack(pair_logps(reference, pairs, pad_id, device)[:2], dim=1).float()
             # Gradients are all-reduced once, after the last micro-batch of the step.
-            sync = policy.no_sync() if ddp and m < micro_steps - 1 else nullcontext()
+            sync = policy.no_sync() if ddp and m < len(micro) - 1 else nullcontext()
             with sync:
                 losses, stats = preference_losses(policy, pairs, ref, args, pad_id, device)
-                # Every micro-batch holds the same number of pairs: the mean over the step is the mean of means.
-                (losses.mean() / micro_steps).backward()
+                # The mean over the step's pairs of this rank (every rank holds pairs_per_rank; DDP averages ranks).
+                (losses.sum() / pairs_per_rank).backward()
             sums.update(stats)
         for optimizer in optimizers:
             optimizer.step()
         model.zero_grad(set_to_none=True)
         log = {f"train/{name}": value for name, value in mean_stats(dict(sums), pairs_per_rank, device).items()}
+        log["train/padding"] = padding
         line = (f"step {step + 1:4d}/{num_steps} | loss {log['train/loss']:.4f}"
                 f" | margin {log['train/rewards/margins']:+.3f} | acc {log['train/rewards/accuracy']:.0%}"
-                f" | logp chosen {log['train/logps/chosen']:.1f} rejected {log['train/logps/rejected']:.1f}")
+                f" | logp chosen {log['train/logps/chosen']:.1f} rejected {log['train/logps/rejected']:.1f}"
+                f" | {len(micro)} micro-batches, {padding:.0%} padding")
         if (step + 1) % args.eval_every == 0 or step + 1 == num_steps:
             held_out = evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device)
             log.update({f"val/{name}": value for name, value in held_out.items()})

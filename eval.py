@@ -52,7 +52,7 @@ import common
 from common import autocast_ctx, format_eta, get_dist_info, print0
 from engine import Engine
 from tasks import (GSM8K, LETTERS, MultipleChoice, SyntheticTask, collate, pretraining_batches, pretraining_texts,
-                   safe_reward)
+                   safe_reward, token_budget_batches)
 
 STAGES = ("base", "sft", "dpo", "rl")  # the checkpoints eval.py evaluates
 PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl")  # the report card's order (pretrain.py: "pretrain")
@@ -222,31 +222,34 @@ def chat_prompt(item):
 
 
 @torch.no_grad()
-def continuation_logprobs(model, requests, device, batch_size=32):
+def continuation_logprobs(model, requests, device, batch_tokens=None):
     """
     For each (context_ids, continuation_ids) in `requests` the summed log-prob of the continuation given the context:
 
         score = sum_{t in continuation} log p(x_t | x_<t)
 
-    Rows are right-padded into batches of `batch_size`. A row longer than sequence_len + 1 tokens keeps its last
-    sequence_len + 1: the context is cut from the left, the continuation is always scored whole.
-    Returns a list of floats.
+    Rows are sorted by length and right-padded into micro-batches of at most `batch_tokens` positions (rows x
+    longest; default 32 x sequence_len: 32 full-context rows). A row longer than sequence_len + 1 tokens keeps its
+    last sequence_len + 1: the context is cut from the left, the continuation is always scored whole.
+    Returns a list of floats, in the order of `requests`.
     """
     keep = model.config.sequence_len + 1
-    scores = []
-    for start in range(0, len(requests), batch_size):
-        rows = []
-        for context, continuation in requests[start:start + batch_size]:
-            if not continuation or len(continuation) >= keep:
-                raise ValueError(f"a continuation of {len(continuation)} tokens cannot be scored with a "
-                                 f"{keep - 1}-token context window")
-            ids = (context + continuation)[-keep:]
-            mask = ([0] * len(context) + [1] * len(continuation))[-keep:]
-            rows.append((ids, mask))
-        x, y = collate(rows, pad_id=0)  # (B, L), y = -1 outside the continuations
+    rows = []
+    for context, continuation in requests:
+        if not continuation or len(continuation) >= keep:
+            raise ValueError(f"a continuation of {len(continuation)} tokens cannot be scored with a "
+                             f"{keep - 1}-token context window")
+        ids = (context + continuation)[-keep:]
+        mask = ([0] * len(context) + [1] * len(continuation))[-keep:]
+        rows.append((ids, mask))
+    scores = [0.0] * len(rows)
+    batches, _ = token_budget_batches([[len(ids) - 1] for ids, _ in rows], batch_tokens or 32 * (keep - 1))
+    for batch in batches:
+        x, y = collate([rows[i] for i in batch], pad_id=0)  # (B, L), y = -1 outside the continuations
         with autocast_ctx(device):
             losses = model(x.to(device), y.to(device), loss_reduction="none")  # (B, L), 0 where y = -1
-        scores.extend((-losses.float().sum(1)).tolist())
+        for i, score in zip(batch, (-losses.float().sum(1)).tolist()):
+            scores[i] = score
     return scores
 
 
@@ -305,7 +308,7 @@ def evaluate_multiple_choice(model, tokenizer, items, style, num_shots=0, batch_
             context_ids = tokenizer.encode(context, prepend="<|bos|>")
             requests += [(context_ids, tokenizer.encode(text)) for text in continuations]
             spans.append((i, continuations))
-        scores = continuation_logprobs(model, requests, device, batch_size)
+        scores = continuation_logprobs(model, requests, device, batch_size * model.config.sequence_len)
         offset = 0
         for i, continuations in spans:
             choice, choice_norm = pick_choices(scores[offset:offset + len(continuations)], continuations)

@@ -15,16 +15,21 @@ not import engine.py.
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 # Learning rates of pretraining (nanochat's, tuned at width 768; setup_optimizers rescales the AdamW ones by width).
 # The post-training stages start from them and scale all three by their --lr-frac.
 MATRIX_LR, EMBEDDING_LR, UNEMBEDDING_LR = 0.02, 0.2, 0.004
 LOGIT_SOFTCAP = 15.0  # logits = cap * tanh(z / cap): bounded in (-15, 15), ~identity for small z
 ROTARY_MARGIN = 10  # rotary tables cover sequence_len * 10 positions: generation may run past the training length
+# Positions per chunk of the chunked lm_head + loss (GPT.chunked_logits): at a 65,536 vocabulary a float32 chunk of
+# logits is 1 GiB, instead of 8.6 GiB for a whole 16 x 2048 micro-batch (and as much again for each saved copy).
+LOGITS_CHUNK_TOKENS = 4096
 
 
 @dataclass
@@ -94,6 +99,9 @@ class CausalSelfAttention(nn.Module):
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         # QK-norm keeps attention logits bounded; normalising then rotating = rotating then normalising.
         q, k = apply_rotary(norm(q), cos, sin), apply_rotary(norm(k), cos, sin)
+        # CUDA autocast runs rms_norm in float32 (it is on autocast's fp32 list): back to the values' dtype (bf16), so
+        # attention runs in one dtype and the KV cache does not hold float32 keys next to bf16 values.
+        q, k = q.to(v.dtype), k.to(v.dtype)
         if kv_cache is not None:
             k, v = kv_cache.insert(self.layer_idx, k, v)  # (B, S, n_kv_head, D): all cached keys, new ones included
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T or S, D)
@@ -213,14 +221,36 @@ class GPT(nn.Module):
                 group["initial_lr"] = group["lr"]
         return optimizers
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", logits_chunk=LOGITS_CHUNK_TOKENS):
         """
         idx: (B, T) token ids. Returns float32 logits (B, T, V) when targets is None, else the cross-entropy of
         targets (B, T) with ignore_index=-1: a scalar for loss_reduction "mean" (over non-ignored tokens) or "sum",
         per-token losses (B, T) for "none" (0 where the target is -1).
         kv_cache (engine.KVCache): the tokens continue each row's cached sequence at that row's own position, their
         keys/values are appended, and the cache advances by T.
+        logits_chunk: with targets, when B * T exceeds it the loss is computed logits_chunk positions at a time
+        (chunked_logits), so the (B, T, V) float32 logits never exist whole; None: always whole (pretraining's
+        compiled step, which fits and is spared the chunks' recomputation).
         """
+        B, T = idx.size()
+        h = self.hidden(idx, kv_cache)  # (B, T, C)
+        if targets is None:
+            return self.head(h)
+        if loss_reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none', got {loss_reduction!r}")
+        if logits_chunk is not None and B * T > logits_chunk:
+            losses, = self.chunked_logits(h, partial(F.cross_entropy, ignore_index=-1, reduction="none"), targets,
+                                          chunk_tokens=logits_chunk)  # (B, T)
+            if loss_reduction == "none":
+                return losses
+            return losses.sum() / (targets != -1).sum() if loss_reduction == "mean" else losses.sum()
+        logits = self.head(h)  # (B, T, V)
+        loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1,
+                               reduction=loss_reduction)
+        return loss.view(B, T) if loss_reduction == "none" else loss
+
+    def hidden(self, idx, kv_cache=None):
+        """The final normalised hidden states (B, T, C) of idx (B, T): what lm_head reads. See forward for kv_cache."""
         B, T = idx.size()
         if kv_cache is None:
             if T > self.rotary_len:
@@ -240,13 +270,83 @@ class GPT(nn.Module):
             x = block(x, cos, sin, attn_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
-        logits = self.lm_head(norm(x)).float()  # (B, T, V)
-        logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
-        if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1,
-                               reduction=loss_reduction)
-        return loss.view(B, T) if loss_reduction == "none" else loss
+        return norm(x)
+
+    def head(self, h):
+        """Soft-capped float32 logits (..., V) of hidden states h (..., C)."""
+        logits = self.lm_head(h).float()
+        return LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+
+    def chunked_logits(self, h, fn, *per_token, chunk_tokens=None):
+        """
+        fn(logits, *per_token) for the B * T positions of h (B, T, C), chunk_tokens (default LOGITS_CHUNK_TOKENS)
+        positions at a time: fn gets
+        logits (N, V) of N <= chunk_tokens positions and the matching rows of each per_token tensor (B, T, ...)
+        flattened to (N, ...), and returns one tensor (N, ...) or a tuple of them. Returns a tuple of the outputs
+        reshaped to (B, T, ...).
+        Why: the logits of a long micro-batch are the largest tensors of a step (16 x 2048 positions x 65,536 tokens
+        = 8.6 GB in float32, several copies kept for backward). With gradients on, each chunk runs under activation
+        checkpointing: only its hidden states are kept, and backward recomputes its logits one chunk at a time, at
+        the cost of a second lm_head forward (2 * n_embd * V FLOPs per position). Values and gradients are those of
+        fn applied to the whole (B, T, V) logits.
+        """
+        B, T, C = h.shape
+        chunk_tokens = chunk_tokens or LOGITS_CHUNK_TOKENS
+        flat = h.reshape(B * T, C)
+        extras = [t.reshape(B * T, *t.shape[2:]) for t in per_token]
+
+        def piece(h_chunk, *extra_chunks):
+            return fn(self.head(h_chunk), *extra_chunks)
+
+        outputs = []
+        for start in range(0, B * T, chunk_tokens):
+            args = (flat[start:start + chunk_tokens], *(e[start:start + chunk_tokens] for e in extras))
+            # preserve_rng_state=False: nothing random runs in the head, no RNG state to stash per chunk.
+            out = (checkpoint(piece, *args, use_reentrant=False, preserve_rng_state=False) if torch.is_grad_enabled()
+                   else piece(*args))
+            outputs.append(out if isinstance(out, tuple) else (out,))
+        return tuple(torch.cat(parts).view(B, T, *parts[0].shape[1:]) for parts in zip(*outputs))
+
+
+def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS, ddp=True):
+    """
+    Analytic peak memory of one training process in bytes (tensors only, what torch.cuda.max_memory_allocated
+    counts: the CUDA context and allocator slack come on top), for a micro-batch of N = micro_batch_tokens padded
+    positions, fp32 weights and bf16 autocast, eager (no torch.compile). Returns a dict of the terms and "total":
+
+      weights      4 P                      fp32 parameters, P = 2 V C + L (2 + 2 f + 8) C^2
+      autocast     2 P_blocks + 2 V C       bf16 copies of the matmul weights autocast keeps during forward
+      grads        4 P                      fp32 gradients (+ 4 P more with ddp: DDP's gradient buckets)
+      optimizer    8 (2 V C) + 4 P_blocks   AdamW's two moments for wte and lm_head, Muon's momentum for the blocks
+      activations  N (L (48 + 10 f) + 14) C     saved for backward; per layer and position, in bytes per channel:
+                   attention 18 + 10 f (fp32 residual into the norm 4, its bf16 copy 2, q 2, k and v 2 f each,
+                   fp32 QK-norm outputs 4 + 4 f, bf16 rotary outputs 2 + 2 f, attention output and its c_proj
+                   input 2 + 2), MLP 30 (residual 4, bf16 norm 2, c_fc output 8, ReLU output 8, its square 8);
+                   outside the blocks 14 (embedding 4, final norm's input 4 and fp32 output 4, its bf16 copy 2)
+      logits       22 V min(N, logits_chunk)   per live position: bf16 lm_head output 2, its fp32 copy 4, soft-cap 4,
+                   log-softmax 4, the logits' gradient 4 and the gradient through the cap 4; all N positions at
+                   once when logits_chunk is None (GPT.forward's whole path), one chunk with chunked_logits
+
+    with C = n_embd, L = n_layer, V = vocab_size, f = n_kv_head / n_head. The activation coefficients were counted
+    from the tensors autograd saves in Block.forward under CUDA autocast (rms_norm in fp32, matmuls in bf16);
+    flash attention keeps only its output and log-sum-exp, no (T, T) scores.
+    """
+    C, L, V = config.n_embd, config.n_layer, config.vocab_size
+    f = config.n_kv_head / config.n_head
+    block_params = L * (2 + 2 * f + 8) * C * C
+    params = 2 * V * C + block_params
+    N = micro_batch_tokens
+    terms = {
+        "weights": 4 * params,
+        "autocast": 2 * block_params + 2 * V * C,
+        "grads": 4 * params * (2 if ddp else 1),
+        "optimizer": 8 * 2 * V * C + 4 * block_params,
+        "activations": N * (L * (48 + 10 * f) + 14) * C,
+        "logits": 22 * V * (N if logits_chunk is None else min(N, logits_chunk)),
+    }
+    terms = {name: int(value) for name, value in terms.items()}
+    terms["total"] = sum(terms.values())
+    return terms
 
 
 # -----------------------------------------------------------------------------

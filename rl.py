@@ -53,18 +53,18 @@ from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute
 from engine import Engine, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
-from tasks import GSM8K, SyntheticTask, collate, safe_reward
+from tasks import GSM8K, SyntheticTask, collate, safe_reward, token_budget_batches
 
 PRESETS = {
     # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
     # SFT model (7% pass@1), 0.3 collapsed the policy within 30 steps and 0.1 learned too slowly to show in 40.
     "tiny": dict(task="synthetic", train_size=5000, num_steps=50, prompts_per_step=16, group_size=8, max_tokens=48,
-                 device_batch_size=64, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128, eval_samples=8,
-                 save_every=25),
+                 device_batch_tokens=8192, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128,
+                 eval_samples=8, save_every=25),
     # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global.
     "full": dict(task="gsm8k", train_size=None, num_steps=400, prompts_per_step=64, group_size=16, max_tokens=512,
-                 device_batch_size=16, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400, eval_samples=8,
-                 save_every=50),
+                 device_batch_tokens=16384, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400,
+                 eval_samples=8, save_every=50),
 }
 
 LOGP_FLOOR = -100.0  # log-probs are floored here: a token outside a top-k/top-p support (-inf) must not become NaN
@@ -362,13 +362,16 @@ def token_logprobs(model, inputs, targets, sampling):
     """
     (logp, entropy), both (B, T): the log-prob of each target token under the distribution the engine samples
     from (engine.sampling_logprobs: same temperature, top-k, top-p) and that distribution's entropy (no gradient).
+    Computed a chunk of positions at a time (GPT.chunked_logits): the (B, T, V) logits never exist whole.
     """
+    def score(logits, target):  # (N, V), (N,)
+        logprobs = sampling_logprobs(logits, **sampling)  # (N, V)
+        logp = logprobs.gather(-1, target.clamp(min=0)[:, None]).squeeze(-1).clamp(min=LOGP_FLOOR)  # (N,)
+        entropy = torch.special.entr(logprobs.detach().exp()).sum(-1)  # (N,); entr(0) = 0 where top-k/top-p cut
+        return logp, entropy
+
     with autocast_ctx(inputs.device):
-        logits = model(inputs)  # (B, T, V) float32
-    logprobs = sampling_logprobs(logits, **sampling)  # (B, T, V)
-    logp = logprobs.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1).clamp(min=LOGP_FLOOR)  # (B, T)
-    entropy = torch.special.entr(logprobs.detach().exp()).sum(-1)  # (B, T); entr(0) = 0 where top-k/top-p cut
-    return logp, entropy
+        return model.chunked_logits(model.hidden(inputs), score, targets)
 
 
 def all_reduce_gradients(model):
@@ -454,7 +457,9 @@ def parse_args(argv=None):
     # optimization
     add("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
     add("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
-    add("--device-batch-size", type=int, help="sequences per forward/backward")
+    add("--device-batch-tokens", type=int, help="padded positions (sequences x longest) per forward/backward; at "
+        "least the longest prompt + --max-tokens (tiny 8,192: the old 64 sequences of <= 128 tokens; full 16,384: "
+        "16 sequences of a ~500-token prompt and a 512-token answer)")
     add("--lr-frac", type=float, help="learning rates as a fraction of pretraining's (Muon + AdamW)")
     add("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
     add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
@@ -560,20 +565,23 @@ def main(argv=None):
         t1 = time.time()
 
         # 3. Advantages; micro-batches of sequences, grouped into minibatches by prompt.
-        minibatches = []
+        minibatches, positions = [], [0, 0]  # positions: (real, padded)
         for m in range(args.minibatches):
             rows = learner_rows(groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches],
                                 args.group_size, args.adv_scale, args.adv_baseline, args.mask_truncated)
-            rows.sort(key=lambda row: len(row[0]))  # similar lengths share a micro-batch: less padding, same loss
-            minibatches.append([collate_rollouts(rows[i:i + args.device_batch_size], pad_id, device)
-                                for i in range(0, len(rows), args.device_batch_size)])
+            # Sorted by length into micro-batches of <= --device-batch-tokens: less padding, same loss.
+            batches, _ = token_budget_batches([[len(ids) - 1] for ids, *_ in rows], args.device_batch_tokens)
+            minibatches.append([collate_rollouts([rows[i] for i in batch], pad_id, device) for batch in batches])
+            positions[0] += sum(len(ids) - 1 for ids, *_ in rows)
+            positions[1] += sum(int(micro["inputs"].numel()) for micro in minibatches[-1])
 
         # 4a. Score the batch with the weights that sampled it: old log-probs, the engine/trainer gap, entropy,
         # the reference log-probs; and the global token/sequence counts the loss is averaged over.
         tally = {**rollout, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0, "gap_sum": 0.0,
                  "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0,
                  "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf,
-                 "ratio_max": -math.inf}  # the same keys on every rank: reduced across ranks below
+                 "ratio_max": -math.inf, "positions_real": positions[0], "positions_padded": positions[1]}
+        # (the same keys on every rank: reduced across ranks below)
         with torch.no_grad():
             for micro in (micro for mb in minibatches for micro in mb):
                 micro["old_logp"], entropy = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
@@ -647,6 +655,7 @@ def main(argv=None):
                    "reward/errors": tally["errors"],
                    "batch/zero_contrast_frac": tally["zero_contrast"] / max(tally["groups"], 1),
                    "batch/groups_kept": tally["groups_kept"], "batch/sampling_rounds": tally["rounds"] / world_size,
+                   "batch/padding_frac": 1 - tally["positions_real"] / max(tally["positions_padded"], 1),
                    "length/mean": tally["length_sum"] / n, "length/max": tally["length_max"],
                    "length/truncated_frac": tally["truncated"] / n,
                    "policy/entropy": tally["entropy_sum"] / tokens,
@@ -670,6 +679,7 @@ def main(argv=None):
         print0(f"step {step + 1}/{args.num_steps} | reward {metrics['reward/mean']:.3f} "
                f"| zero-contrast {metrics['batch/zero_contrast_frac']:.2f} kept {metrics['batch/groups_kept']:.0f} "
                f"| len {metrics['length/mean']:.1f} trunc {metrics['length/truncated_frac']:.2f} "
+               f"pad {metrics['batch/padding_frac']:.0%} "
                f"| loss {metrics['policy/loss']:+.4f} "
                f"clip {metrics['policy/clip_low']:.3f}/{metrics['policy/clip_high']:.3f} "
                f"| entropy {metrics['policy/entropy']:.3f} | gap {metrics['mismatch/logp_gap_mean']:.1e} "

@@ -8,6 +8,8 @@ Supervised fine-tuning: teach the base model the chat format, to answer and to s
 Each conversation is rendered with Tokenizer.render_conversation; the loss is the cross-entropy of the tokens
 whose mask is 1 (assistant text, tool calls, <|assistant_end|>), nothing else. Conversations are batched whole and
 right-padded (tasks.collate): none is ever cut, and one longer than --max-seq-len is skipped and counted instead.
+A step's conversations are sorted by length and cut into micro-batches of at most --device-batch-tokens padded
+positions (tasks.token_budget_batches), so a micro-batch of long conversations holds fewer of them.
 The loss of an optimizer step is the mean over every trained token of the step, across micro-batches and ranks
 (see backward_sft_loss). At the end it measures held-out loss and whether the model answers held-out synthetic
 problems in format (a single '#### <number>' line), stops by itself, and gets them right.
@@ -29,17 +31,19 @@ from engine import Engine
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
-                   extract_final_answer, prepare_rows)
+                   extract_final_answer, prepare_rows, token_budget_batches)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, ~20-30 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k conversations,
 # ~200M tokens with padding) plus two of GSM8K train (15k); about 6 * N * tokens = 7e17 FLOPs, 10-15 min of compute
-# at 40% MFU, the rest padding and the final generation check. 16 conversations per micro-batch keep the float32
-# logits (16 x 2048 x 65536 x 4 bytes = 8.6 GB) and their gradient well inside 80 GB.
+# at 40% MFU, the rest padding and the final generation check. Micro-batches of 32,768 padded positions (16 rows of
+# 2,048) need ~61 GiB per GPU with chunked logits (model.training_memory). tiny: 4,096 = 16 rows of the 256-token
+# context, the old 16-row micro-batch at its longest.
 PRESETS = {
-    "tiny": dict(train_rows=4000, batch_size=32, device_batch_size=16, lr_frac=0.5, eval_every=25, eval_rows=256,
+    "tiny": dict(train_rows=4000, batch_size=32, device_batch_tokens=4096, lr_frac=0.5, eval_every=25, eval_rows=256,
                  check_problems=256, check_samples=4, max_new_tokens=64, save_every=25),
-    "full": dict(train_rows=None, batch_size=512, device_batch_size=16, lr_frac=0.02, eval_every=200, eval_rows=2000,
+    "full": dict(train_rows=None, batch_size=512, device_batch_tokens=32768, lr_frac=0.02, eval_every=200,
+                 eval_rows=2000,
                  check_problems=256, check_samples=4, max_new_tokens=512, save_every=500),
 }
 
@@ -162,10 +166,14 @@ def generation_metrics(model, tokenizer, args, device):
     return metrics
 
 
-def micro_batches_of(rows, start, num, device_batch_size, pad_id):
-    """The collated micro-batches of rows[start : start + num] (wrapping around the end: another epoch)."""
+def micro_batches_of(rows, start, num, device_batch_tokens, pad_id):
+    """
+    The collated micro-batches of rows[start : start + num] (wrapping around the end: another epoch), each of at
+    most device_batch_tokens padded positions, and the fraction of those positions that are padding.
+    """
     take = [rows[(start + i) % len(rows)] for i in range(num)]
-    return [collate(take[i:i + device_batch_size], pad_id) for i in range(0, num, device_batch_size)]
+    batches, padding = token_budget_batches([[len(ids) - 1] for ids, _ in take], device_batch_tokens)
+    return [collate([take[i] for i in batch], pad_id) for batch in batches], padding
 
 
 def main(argv=None):
@@ -181,7 +189,8 @@ def main(argv=None):
                         "SmolTalk; default: the preset's)")
     parser.add_argument("--num-steps", type=int, default=None, help="optimizer steps (default: one pass over the data)")
     parser.add_argument("--batch-size", type=int, help="conversations per optimizer step, all ranks together")
-    parser.add_argument("--device-batch-size", type=int, help="conversations per micro-batch per rank")
+    parser.add_argument("--device-batch-tokens", type=int, help="padded positions (rows x longest row) per "
+                        "micro-batch per rank; at least --max-seq-len")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="longest conversation trained on, in tokens; longer ones are skipped (default: the "
                              "model's sequence_len)")
@@ -232,20 +241,21 @@ def main(argv=None):
     skipped, val_skipped = sum((s[0] for s in shares), Counter()), sum((s[1] for s in shares), Counter())
     for (name, reason), count in sorted(skipped.items()) + sorted(val_skipped.items()):
         print0(f"skipped {count:,} {reason} rows of {name}")
-    if args.batch_size % (args.device_batch_size * world_size):
-        raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --device-batch-size "
-                         f"{args.device_batch_size} x {world_size} ranks")
+    if args.batch_size % world_size:
+        raise ValueError(f"--batch-size {args.batch_size} is not a multiple of the {world_size} ranks")
+    if args.device_batch_tokens < max_seq_len:
+        raise ValueError(f"--device-batch-tokens {args.device_batch_tokens} cannot hold a conversation of "
+                         f"--max-seq-len {max_seq_len} tokens; raise it or lower --max-seq-len")
     rows_per_rank = args.batch_size // world_size
     min_rows = min(s[2] for s in shares)  # every rank must take the same number of steps
     num_steps = args.num_steps or min_rows // rows_per_rank
     if num_steps < 1:
         raise ValueError(f"{min_rows} training rows per rank are fewer than one step's {rows_per_rank}")
-    val_batches = [collate(val_rows[i:i + args.device_batch_size], tokenizer.bos_id)
-                   for i in range(0, len(val_rows), args.device_batch_size)]
+    val_batches, _ = micro_batches_of(val_rows, 0, len(val_rows), args.device_batch_tokens, tokenizer.bos_id)
     tokens = sum(s[4] for s in shares)  # one pass over the training rows, padding not counted
-    print0(f"{num_steps} steps of {args.batch_size} conversations ({rows_per_rank // args.device_batch_size} x "
-           f"{args.device_batch_size} per rank), {sum(s[3] for s in shares)} held-out conversations; one pass is "
-           f"{tokens:,} tokens, ~{model.flops_per_token() * tokens:.1e} FLOPs")
+    print0(f"{num_steps} steps of {args.batch_size} conversations ({rows_per_rank} per rank in micro-batches of <= "
+           f"{args.device_batch_tokens:,} padded tokens), {sum(s[3] for s in shares)} held-out conversations; one pass "
+           f"is {tokens:,} tokens, ~{model.flops_per_token() * tokens:.1e} FLOPs")
 
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
@@ -274,8 +284,8 @@ def main(argv=None):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * lr_multiplier
-        micro = micro_batches_of(train_rows, step * rows_per_rank, rows_per_rank, args.device_batch_size,
-                                 tokenizer.bos_id)
+        micro, padding = micro_batches_of(train_rows, step * rows_per_rank, rows_per_rank, args.device_batch_tokens,
+                                          tokenizer.bos_id)
         train_loss, num_targets, num_tokens = backward_sft_loss(train_model, micro, device)
         for optimizer in optimizers:
             optimizer.step()
@@ -283,12 +293,14 @@ def main(argv=None):
         tokens_seen += num_tokens
         elapsed = time.time() - t0
         eta = format_eta(elapsed / (step + 1 - start_step) * (num_steps - step - 1))
-        log = {"train/loss": train_loss, "train/targets": num_targets, "lr_multiplier": lr_multiplier}
+        log = {"train/loss": train_loss, "train/targets": num_targets, "train/padding": padding,
+               "lr_multiplier": lr_multiplier}
         if (step + 1) % args.eval_every == 0 or step + 1 == num_steps:
             log["val/loss"] = evaluate_loss(model, val_batches, device)
         print0(f"step {step + 1:5d}/{num_steps} | loss {train_loss:.4f}"
                + (f" | val loss {log['val/loss']:.4f}" if "val/loss" in log else "")
-               + f" | {tokens_seen / elapsed:,.0f} tok/s (padded) | eta {eta}")
+               + f" | {len(micro)} micro-batches, {padding:.0%} padding | {tokens_seen / elapsed:,.0f} tok/s (padded)"
+               + f" | eta {eta}")
         logger.log(log, step + 1)
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps and rank == 0:
             common.save_checkpoint(out_dir, step + 1, model, {"stage": "sft", "finished": False}, tokenizer=tokenizer,

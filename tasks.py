@@ -252,6 +252,34 @@ def collate(rows, pad_id):
     return inputs, targets
 
 
+def token_budget_batches(row_lengths, max_tokens):
+    """
+    Group items into micro-batches whose padded size stays within a token budget: rows x longest row <= max_tokens.
+    row_lengths[i] lists the lengths of item i's rows, as they will be padded (collate's L - 1 per row): one row for
+    a conversation, two for a preference pair, whose sides must share a micro-batch. Items are sorted by their
+    longest row and cut greedily, so rows of similar lengths share a micro-batch and padding stays small.
+    Returns (batches, padding): batches, lists of item indices (every item exactly once, shortest first), and the
+    fraction of the padded positions that are padding. An item that alone exceeds the budget is a ValueError.
+    """
+    order = sorted(range(len(row_lengths)), key=lambda i: max(row_lengths[i]))
+    batches, batch, rows = [], [], 0
+    for i in order:
+        n_rows, longest = len(row_lengths[i]), max(row_lengths[i])
+        if n_rows * longest > max_tokens:
+            raise ValueError(f"item {i} has {n_rows} row(s) of up to {longest} tokens, more than the micro-batch "
+                             f"budget of {max_tokens} tokens; raise --device-batch-tokens or lower --max-seq-len")
+        if batch and (rows + n_rows) * longest > max_tokens:  # sorted: the new item's rows are the longest so far
+            batches.append(batch)
+            batch, rows = [], 0
+        batch.append(i)
+        rows += n_rows
+    if batch:
+        batches.append(batch)
+    padded = sum(sum(len(row_lengths[i]) for i in b) * max(max(row_lengths[i]) for i in b) for b in batches)
+    real = sum(sum(lengths) for lengths in row_lengths)
+    return batches, (1 - real / padded if padded else 0.0)
+
+
 # -----------------------------------------------------------------------------
 # Pretraining text by preset
 

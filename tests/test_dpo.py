@@ -159,7 +159,8 @@ def test_precomputed_reference_equals_live(tokenizer):
     model = make_model(tokenizer)
     preferences = tasks.SyntheticPreferences("train", size=7)
     pairs = [dpo.render_pair(tokenizer, preferences[i], 128) for i in range(len(preferences))]
-    precomputed = dpo.reference_logps(model, pairs, 3, tokenizer.bos_id, "cpu")  # (7, 2), batches of 3, 3, 1
+    assert len(dpo.pair_micro_batches(pairs, 256)[0]) > 1  # several micro-batches, in length order, not pair order
+    precomputed = dpo.reference_logps(model, pairs, 256, tokenizer.bos_id, "cpu")  # (7, 2)
     with torch.no_grad():
         for i, pair in enumerate(pairs):
             chosen, rejected, _, _ = dpo.pair_logps(model, [pair], tokenizer.bos_id, "cpu")
@@ -168,7 +169,7 @@ def test_precomputed_reference_equals_live(tokenizer):
 
 def step_args(**overrides):
     defaults = dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0, gamma=0.5, sft_weight=0.0,
-                    device_batch_size=4)
+                    device_batch_tokens=1024)
     return argparse.Namespace(**{**defaults, **overrides})
 
 
@@ -177,7 +178,7 @@ def test_a_dpo_step_increases_the_margin(tokenizer, loss_type, sft_weight):
     model = make_model(tokenizer)
     preferences = tasks.SyntheticPreferences("train", size=4)
     pairs = [dpo.render_pair(tokenizer, preferences[i], 128) for i in range(4)]
-    ref = dpo.reference_logps(model, pairs, 4, tokenizer.bos_id, "cpu")
+    ref = dpo.reference_logps(model, pairs, 1024, tokenizer.bos_id, "cpu")
     args = step_args(loss_type=loss_type, sft_weight=sft_weight)
 
     def margin():
@@ -296,7 +297,7 @@ def test_synthetic_rejected_answers_are_all_wrong():
 
 
 DPO_ARGS = ["--device", "cpu", "--pairs", "synthetic", "--train-pairs", "32", "--eval-pairs", "16",
-            "--batch-size", "16", "--device-batch-size", "8", "--epochs", "2", "--lr-frac", "0.3",
+            "--batch-size", "16", "--device-batch-tokens", "2048", "--epochs", "2", "--lr-frac", "0.3",
             "--check-problems", "4", "--check-samples", "1", "--max-new-tokens", "8", "--eval-every", "2",
             "--sft-weight", "0"]
 
@@ -313,7 +314,9 @@ def test_main_tiny_improves_held_out_preferences_and_live_reference_agrees(token
     assert record["after/rewards/accuracy"] > 0.5
     assert record["after/loss"] < record["before/loss"] == pytest.approx(math.log(2), rel=1e-6)
 
-    dpo.main(DPO_ARGS + ["--live-reference", "--out", str(tmp_path / "live")])
+    # A live reference and another cut of each step into micro-batches (several of unequal sizes instead of one)
+    # train the same model: the loss is the mean over the step's pairs however they are cut.
+    dpo.main(DPO_ARGS + ["--live-reference", "--out", str(tmp_path / "live"), "--device-batch-tokens", "400"])
     live = common.read_report()[-1]
     for key in ("after/loss", "after/rewards/margins", "after/logps/chosen"):
         assert live[key] == pytest.approx(record[key], rel=1e-3)
@@ -326,7 +329,7 @@ def test_full_preset_runs_on_stand_in_hub_data(tokenizer, tmp_path, monkeypatch,
     monkeypatch.setenv("NANOPOST_DATA_DIR", str(tasks.write_stand_in_data(tmp_path / "hub", documents=10, rows=16)))
     common.save_checkpoint(tmp_path / "checkpoints" / "sft", 1, make_model(tokenizer), {"stage": "sft"},
                            tokenizer=tokenizer)
-    args = ["--preset", "full", "--device", "cpu", "--batch-size", "8", "--device-batch-size", "4",
+    args = ["--preset", "full", "--device", "cpu", "--batch-size", "8", "--device-batch-tokens", "1024",
             "--check-problems", "4", "--max-new-tokens", "16"]
     dpo.main(args + ["--dry-run"])
     assert "dry run" in capsys.readouterr().out

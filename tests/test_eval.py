@@ -206,7 +206,8 @@ def test_continuation_logprobs_equal_manual_sums(random_model, tokenizer):
     assert len(long_context) > random_model.config.sequence_len  # this one is cut from the left
     sky = tokenizer.encode("Question: What color is the sky?\nAnswer:", prepend="<|bos|>")
     requests = [(sky, tokenizer.encode(f" {c}")) for c in COLORS] + [(long_context, tokenizer.encode(" 4"))]
-    got = ev.continuation_logprobs(random_model, requests, "cpu", batch_size=3)  # padded batches of 3, 2
+    # Micro-batches of <= sequence_len positions: the long row alone, the short ones together, out of request order.
+    got = ev.continuation_logprobs(random_model, requests, "cpu", batch_tokens=random_model.config.sequence_len)
     for (context, continuation), score in zip(requests, got):
         ids = (context + continuation)[-(random_model.config.sequence_len + 1):]
         x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])

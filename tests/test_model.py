@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import KVCache
-from model import GPT, GPTConfig
+import model as model_module
+from model import GPT, GPTConfig, training_memory
 
 # A real tiny model: 2 layers, width 64, 4 query heads sharing 2 key/value heads (grouped-query attention).
 CONFIG = GPTConfig(sequence_len=32, vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
@@ -129,3 +130,72 @@ def test_kv_cache_overflow_is_an_error(model):
     model(torch.zeros(1, 4, dtype=torch.long), kv_cache=cache)
     with pytest.raises(ValueError, match="do not fit"):
         model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
+
+
+# -----------------------------------------------------------------------------
+# Memory: KV cache dtype, chunked logits, the analytic training-memory model
+
+
+def test_kv_cache_keys_and_values_share_the_autocast_dtype(model, monkeypatch):
+    # CUDA autocast runs rms_norm in float32, so q and k leave QK-norm as float32; CPU autocast does not, so force it.
+    # Broken once (the cast after rotary removed): the key cache became float32 next to bf16 values and this failed.
+    monkeypatch.setattr(model_module, "norm", lambda x: F.rms_norm(x.float(), (x.size(-1),)))
+    cache = KVCache(batch_size=2, max_len=8, n_layer=CONFIG.n_layer, device="cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, CONFIG.vocab_size, (2, 5)), kv_cache=cache)
+        model(torch.randint(0, CONFIG.vocab_size, (2, 1)), kv_cache=cache)
+    assert [k.dtype for k in cache.keys] == [torch.bfloat16] * CONFIG.n_layer
+    assert [v.dtype for v in cache.values] == [torch.bfloat16] * CONFIG.n_layer
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_chunked_loss_equals_whole_in_value_and_gradient(reduction):
+    # Broken once (chunked_logits paired each chunk's positions with targets shifted by one): value and gradient differ.
+    torch.manual_seed(0)
+    whole, chunked = GPT(CONFIG), GPT(CONFIG)
+    chunked.load_state_dict(whole.state_dict())
+    idx = torch.randint(0, CONFIG.vocab_size, (3, 11))
+    targets = torch.randint(0, CONFIG.vocab_size, (3, 11))
+    targets[0, :5] = -1
+    targets[2, 9:] = -1
+    weights = torch.rand(3, 11)  # a non-uniform upstream gradient, as RL and DPO give the per-token losses
+    losses = []
+    for m, chunk in ((whole, None), (chunked, 7)):  # 33 positions in chunks of 7: the last one is short
+        loss = m(idx, targets, loss_reduction=reduction, logits_chunk=chunk)
+        (loss * weights if reduction == "none" else loss).sum().backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0])
+    for (name, p), q in zip(whole.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_chunked_logits_passes_per_token_tensors_and_returns_every_output(model):
+    torch.manual_seed(2)
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 9))
+    targets = torch.randint(0, CONFIG.vocab_size, (2, 9))
+
+    def logp_and_argmax(logits, target):
+        return logits.log_softmax(-1).gather(-1, target[:, None]).squeeze(-1), logits.argmax(-1)
+
+    with torch.no_grad():
+        h = model.hidden(idx)
+        logp, top = model.chunked_logits(h, logp_and_argmax, targets, chunk_tokens=4)
+        logits = model(idx)
+    assert logp.shape == top.shape == (2, 9)
+    torch.testing.assert_close(logp, logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1))
+    assert torch.equal(top, logits.argmax(-1))
+
+
+def test_training_memory_by_hand():
+    # C = 64, L = 2, V = 100, f = 2 / 4: blocks 2 * (2 + 1 + 8) * 64^2 = 90112 parameters, embeddings 2 * 6400.
+    config = GPTConfig(sequence_len=32, vocab_size=100, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    assert GPT(config).num_params() == 90112 + 12800
+    mem = training_memory(config, micro_batch_tokens=50, logits_chunk=8, ddp=False)
+    assert mem == {"weights": 4 * 102912, "autocast": 2 * 90112 + 2 * 6400, "grads": 4 * 102912,
+                   "optimizer": 8 * 12800 + 4 * 90112,
+                   "activations": 50 * (2 * (48 + 5) + 14) * 64,  # 50 * 120 * 64 = 384000
+                   "logits": 22 * 100 * 8, "total": mem["total"]}
+    assert mem["total"] == 411648 + 193024 + 411648 + 462848 + 384000 + 17600
+    assert training_memory(config, 50, logits_chunk=None, ddp=False)["logits"] == 22 * 100 * 50
+    assert training_memory(config, 50, logits_chunk=8, ddp=True)["grads"] == 8 * 102912
+    assert training_memory(config, 5, logits_chunk=8, ddp=False)["logits"] == 22 * 100 * 5

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import model as model_module
 import rl
 from common import load_model, save_checkpoint
-from engine import Engine
+from engine import Engine, sampling_logprobs
 from model import GPT, GPTConfig
 from tasks import SyntheticTask, synthetic_documents
 from tokenizer import Tokenizer
@@ -319,6 +320,28 @@ def test_engine_logprobs_match_the_learner(model, tokenizer, sampling):
     close(batch["advantages"], [-1, 1, -1, 1, -1, 1])
 
 
+def test_learner_logprobs_in_chunks_equal_whole_logits_in_value_and_gradient(model, monkeypatch):
+    # Broken once (chunked_logits scoring the chunks against targets shifted by one): the values differed.
+    monkeypatch.setattr(model_module, "LOGITS_CHUNK_TOKENS", 7)  # 3 x 10 positions in chunks of 7
+    sampling = dict(temperature=0.7, top_k=20, top_p=0.9)
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 400, (3, 10)), torch.randint(0, 400, (3, 10))
+    y[0, :4] = -1
+    weights = torch.rand(3, 10)
+    chunked, whole = GPT(model.config), GPT(model.config)
+    chunked.load_state_dict(model.state_dict())
+    whole.load_state_dict(model.state_dict())
+    logp, entropy = rl.token_logprobs(chunked, x, y, sampling)
+    (logp * weights).sum().backward()
+    logprobs = sampling_logprobs(whole(x), **sampling)  # (3, 10, V): the whole logits
+    expected = logprobs.gather(-1, y.clamp(min=0)[..., None]).squeeze(-1).clamp(min=rl.LOGP_FLOOR)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(logp, expected)
+    torch.testing.assert_close(entropy, torch.special.entr(logprobs.detach().exp()).sum(-1))
+    for (name, p), q in zip(whole.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
 def test_mask_truncated_removes_completions_that_hit_the_budget(model, tokenizer):
     engine = Engine(model, tokenizer)
     prompt = tokenizer.render_for_completion(SyntheticTask("train", size=1)[0])
@@ -362,7 +385,7 @@ def run_rl(monkeypatch, tmp_path, checkpoint, *flags, task=LengthParity):
     monkeypatch.setattr(rl, "load_task", lambda name, split, size: task(split, size=64))
     base = ["--preset", "tiny", "--device", "cpu", "--ckpt", str(checkpoint), "--out", str(tmp_path / "rl"),
             "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8", "--eval-problems", "8",
-            "--eval-samples", "2", "--device-batch-size", "5"]
+            "--eval-samples", "2", "--device-batch-tokens", "200"]
     rl.main(base + list(flags))
     return tmp_path / "rl"
 
@@ -447,7 +470,7 @@ def test_torchrun_two_ranks_end_with_identical_weights(tmp_path, checkpoint):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver),
                "--preset", "tiny", "--device", "cpu", "--ckpt", str(checkpoint), "--out", str(tmp_path / "rl"),
                "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8",
-               "--eval-problems", "4", "--eval-samples", "2", "--minibatches", "2", "--device-batch-size", "3"]
+               "--eval-problems", "4", "--eval-samples", "2", "--minibatches", "2", "--device-batch-tokens", "150"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "2 rank(s)" in result.stdout and "step 2/2" in result.stdout

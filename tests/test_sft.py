@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -119,7 +120,7 @@ def save_base(home, tokenizer):
     common.save_checkpoint(home / "checkpoints" / "base", 1, model, {"stage": "base"}, tokenizer=tokenizer)
 
 
-TINY_ARGS = ["--preset", "tiny", "--train-rows", "48", "--batch-size", "16", "--device-batch-size", "8",
+TINY_ARGS = ["--preset", "tiny", "--train-rows", "48", "--batch-size", "16", "--device-batch-tokens", "1024",
              "--eval-rows", "16", "--check-problems", "4", "--check-samples", "2", "--max-new-tokens", "16",
              "--eval-every", "2"]
 
@@ -130,6 +131,7 @@ def test_main_tiny_trains_saves_reports_and_resumes(tokenizer, tmp_path, monkeyp
     sft.main(TINY_ARGS + ["--device", "cpu"])
     out = capsys.readouterr().out
     assert "synthetic" in out and "3 steps" in out
+    assert "micro-batches of <= 1,024 padded tokens" in out and "% padding" in out
 
     model, loaded_tokenizer, meta = common.load_model(tmp_path / "checkpoints" / "sft", "cpu")
     assert meta["finished"] and meta["stage"] == "sft" and meta["step"] == 3
@@ -150,8 +152,9 @@ def test_full_preset_mixture_runs_on_stand_in_hub_data(tokenizer, tmp_path, monk
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     monkeypatch.setenv("NANOPOST_DATA_DIR", str(tasks.write_stand_in_data(tmp_path / "hub", documents=10, rows=16)))
     save_base(tmp_path, tokenizer)
-    args = ["--preset", "full", "--device", "cpu", "--batch-size", "16", "--device-batch-size", "8", "--num-steps", "2",
-            "--eval-rows", "8", "--check-problems", "4", "--check-samples", "1", "--max-new-tokens", "16"]
+    args = ["--preset", "full", "--device", "cpu", "--batch-size", "16", "--device-batch-tokens", "1024",
+            "--num-steps", "2", "--eval-rows", "8", "--check-problems", "4", "--check-samples", "1",
+            "--max-new-tokens", "16"]
     sft.main(args + ["--dry-run"])
     assert "dry run" in capsys.readouterr().out
     assert not common.read_report() and not common.has_checkpoint(tmp_path / "checkpoints" / "sft")
@@ -161,6 +164,20 @@ def test_full_preset_mixture_runs_on_stand_in_hub_data(tokenizer, tmp_path, monk
                  "synthetic                   10,000 rows", "2 steps of 16 conversations"):
         assert line in out
     assert common.read_report()[-1]["stage"] == "sft"
+
+
+def test_micro_batches_keep_the_token_budget_and_report_padding(tokenizer):
+    rows = [tokenizer.render_conversation(c) for c in conversations(12)]
+    micro, padding = sft.micro_batches_of(rows, 5, 12, 150, tokenizer.bos_id)
+    assert len(micro) > 1 and all(x.numel() <= 150 for x, _ in micro)
+    assert sum(x.size(0) for x, _ in micro) == 12
+    real = sum(len(ids) - 1 for ids, _ in rows)
+    assert padding == pytest.approx(1 - real / sum(x.numel() for x, _ in micro))
+    # The loss of the step does not depend on how it is cut: one micro-batch of all 12 rows gives the same.
+    model = make_model(tokenizer)
+    loss, count, _ = sft.backward_sft_loss(model, micro, "cpu")
+    whole, whole_count, _ = sft.backward_sft_loss(model, [tasks.collate(rows, tokenizer.bos_id)], "cpu")
+    assert count == whole_count and loss == pytest.approx(whole, rel=1e-6)
 
 
 # -----------------------------------------------------------------------------
@@ -175,6 +192,9 @@ def ddp_check(out_path):
     tokenizer = make_tokenizer()
     rows = [tokenizer.render_conversation(c) for c in conversations(6)]
     model = make_model(tokenizer)
+    # The loss in chunks of 16 positions (GPT.chunked_logits under activation checkpointing), checked under DDP against
+    # the single process's whole logits below.
+    model.forward = partial(model.forward, logits_chunk=16)
     # Rank 0 takes rows 0-3 in micro-batches of 1 and 3; rank 1 takes rows 4-5 in one micro-batch.
     mine = [rows[0:1], rows[1:4]] if rank == 0 else [rows[4:6]]
     micro = [tasks.collate(r, tokenizer.bos_id) for r in mine]

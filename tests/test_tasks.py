@@ -118,6 +118,19 @@ def test_preference_pair_validation():
         tasks.preference_pair(prompt + [{"role": "assistant", "content": "a"}], prompt + [{"role": "assistant", "content": "a"}])
 
 
+def test_token_budget_batches_keep_the_budget_and_count_padding():
+    # Items 0-4 of one row each, item 5 a pair of rows (both sides must share a micro-batch).
+    lengths = [[5], [2], [9], [3], [4], [6, 3]]
+    batches, padding = tasks.token_budget_batches(lengths, max_tokens=18)
+    # Sorted by longest row: 1 (2), 3 (3), 4 (4), 0 (5), 5 (6), 2 (9); cut where rows x longest would pass 18:
+    # 4 rows x 5 = 20 after item 4, (3 + 1) x 9 = 36 after item 5.
+    assert batches == [[1, 3, 4], [0, 5], [2]]
+    assert padding == pytest.approx(1 - 32 / (3 * 4 + 3 * 6 + 1 * 9))  # 32 real positions of 39 padded
+    with pytest.raises(ValueError, match="item 5 has 2 row.* budget of 10 tokens"):
+        tasks.token_budget_batches(lengths, max_tokens=10)  # the pair alone needs 2 x 6
+    assert tasks.token_budget_batches([], 10) == ([], 0.0)
+
+
 def test_collate_shifts_masks_and_pads_without_cropping():
     inputs, targets = tasks.collate([([5, 6, 7, 8], [0, 0, 1, 1]), ([5, 9], [0, 1])], pad_id=0)
     assert inputs.tolist() == [[5, 6, 7], [5, 0, 0]]
