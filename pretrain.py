@@ -96,10 +96,19 @@ def muon_momentum(step, ramp_steps=300):
 
 
 def training_texts(data, split, data_files=None):
-    """The pretraining documents: the synthetic corpus, FineWeb-Edu from the hub, or local parquet files like it."""
-    if data_files:
-        return tasks.fineweb_texts(split, local=data_files)
-    return tasks.pretraining_texts({"synthetic": "tiny", "fineweb": "full"}[data], split)
+    """
+    The pretraining documents: the synthetic corpus, or FineWeb-Edu from local parquet files (--data-files, else
+    $NANOPOST_DATA_DIR as `python tasks.py prepare` fills it), which each rank reads only its own row groups of.
+    """
+    if data == "synthetic" and not data_files:
+        return tasks.pretraining_texts("tiny", split)
+    texts = tasks.fineweb_texts(split, local=data_files)
+    if not isinstance(texts, tasks.ParquetDocuments):
+        raise FileNotFoundError("pretraining reads FineWeb-Edu from local files, so that each rank reads only its "
+                                "share and a resume seeks instead of downloading again: run `python tasks.py prepare` "
+                                "and set NANOPOST_DATA_DIR=$NANOPOST_HOME/data (speedrun.sh does both), or pass "
+                                "--data-files")
+    return texts
 
 
 def parse_args(argv=None):

@@ -12,6 +12,7 @@
 # running stage save a checkpoint after its current step and exit with status 75; nothing is lost.
 #
 # The full preset (8xH100):
+#   data       `python tasks.py prepare`: FineWeb-Edu sample-10BT and the post-training sets into $NANOPOST_HOME/data
 #   tokenizer  65,536 tokens, BPE on 2B characters of FineWeb-Edu                                 ~2 min
 #   base       depth 20 (~560M parameters), 15 tokens per parameter (8.4B tokens) of FineWeb-Edu   ~2.5 h
 #   SFT        SmolTalk + GSM8K train (calculator calls rendered as tool use)                     ~20 min
@@ -63,6 +64,12 @@ else
 fi
 echo "speedrun: writing to $NANOPOST_HOME; wandb run: $RUN"
 STAGE_FLAGS=(--preset "$PRESET" --run "$RUN" --resume)
+
+if [ "$PRESET" != tiny ]; then
+  # Hub data is downloaded once (resumable) and every stage reads it from disk: each rank its own row groups.
+  export NANOPOST_DATA_DIR="${NANOPOST_DATA_DIR:-$NANOPOST_HOME/data}"
+  python tasks.py prepare --dest "$NANOPOST_DATA_DIR"
+fi
 
 if [ -f "$NANOPOST_HOME/tokenizer/tokenizer.json" ]; then
   echo "speedrun: tokenizer already trained, skipping"

@@ -18,6 +18,7 @@ import signal
 import threading
 from collections import Counter, deque
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from itertools import islice
 from pathlib import Path
 
@@ -299,7 +300,7 @@ def token_budget_batches(row_lengths, max_tokens):
 def pretraining_texts(preset, split, max_chars=None):
     """
     Text documents for tokenizer training and pretraining: the synthetic corpus for `tiny`, FineWeb-Edu for `full`.
-    Stops once `max_chars` characters have been yielded (None: the whole split).
+    Stops once `max_chars` characters have been yielded (None: the whole split, as fineweb_texts returns it).
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -310,20 +311,60 @@ def pretraining_texts(preset, split, max_chars=None):
         texts = fineweb_texts(split)
     else:
         raise ValueError(f"unknown preset {preset!r}; expected 'tiny' or 'full'")
+    return texts if max_chars is None else first_chars(texts, max_chars)
+
+
+def first_chars(texts, max_chars):
+    """The documents of `texts` up to and including the one that brings the total to `max_chars` characters."""
     total = 0
     for text in texts:
         yield text
         total += len(text)
-        if max_chars is not None and total >= max_chars:
+        if total >= max_chars:
             return
 
 
 # -----------------------------------------------------------------------------
 # Hub datasets. Each loader takes `local`: a path (or list of paths) to .parquet / .jsonl / .json files with the
 # hub dataset's schema. Given, the rows come from there through the same `datasets` code path; otherwise they are
-# downloaded from the Hugging Face hub. Tests and offline machines use `local`. A whole run can be pointed at
-# pre-downloaded (or stand-in) files with $NANOPOST_DATA_DIR: the rows of repo/config/split are then read from
-# $NANOPOST_DATA_DIR/<repo>/<config or "default">/<split>*.{parquet,jsonl} (an error when there are none).
+# downloaded from the Hugging Face hub. Tests and offline machines use `local`. A whole run is pointed at
+# pre-downloaded (or stand-in) files with $NANOPOST_DATA_DIR (`python tasks.py prepare` fills it; see local_files for
+# the layouts it accepts). Once it is set, every loader reads from it and a missing file is an error: a run never
+# falls back to a download silently.
+
+FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceFW/fineweb-edu", "sample-10BT"
+FINEWEB_VAL_DOCS = 10_000  # the first documents of the corpus are the fixed validation set; training skips them
+# The files of a config whose folder in the hub repo is not named after it (repo, config) -> (folder, glob).
+HUB_FOLDERS = {(FINEWEB_REPO, FINEWEB_CONFIG): ("sample/10BT", "*.parquet")}
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+def local_files(repo, split, config=None, root=None):
+    """
+    The local files of repo/config/split under `root` (default $NANOPOST_DATA_DIR), in either of two layouts:
+
+        hub snapshot (what `python tasks.py prepare` and huggingface_hub.snapshot_download leave):
+            <root>/<repo>/**/<split>-*.parquet, in a folder named after the config when one is given
+            (e.g. openai/gsm8k/main/train-00000-of-00001.parquet), or HUB_FOLDERS' folder for configs stored
+            elsewhere (FineWeb-Edu sample-10BT: <root>/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet)
+        flat: <root>/<repo>/<config or "default">/<split>.jsonl (or .parquet)
+
+    Raises FileNotFoundError naming the folder when there is none.
+    """
+    root = Path(root or os.environ["NANOPOST_DATA_DIR"])
+    base = root / repo
+    if (repo, config) in HUB_FOLDERS:
+        folder, pattern = HUB_FOLDERS[repo, config]
+        files = sorted((base / folder).glob(pattern))
+    else:
+        files = sorted(p for p in base.rglob("*") if p.suffix in DATA_SUFFIXES
+                       and (p.stem == split or p.name.startswith(f"{split}-"))
+                       and (config is None or config in p.relative_to(base).parts[:-1]))
+    if not files:
+        raise FileNotFoundError(f"no files of {repo} ({config or 'default'}, split {split!r}) under {base} "
+                                f"($NANOPOST_DATA_DIR={root}): run `python tasks.py prepare`, or unset "
+                                "NANOPOST_DATA_DIR to download from the hub")
+    return files
 
 
 def load_rows(repo, split, config=None, local=None, streaming=False, size=None):
@@ -331,11 +372,7 @@ def load_rows(repo, split, config=None, local=None, streaming=False, size=None):
     from datasets import load_dataset  # heavy import, only where hub data is used
 
     if local is None and os.environ.get("NANOPOST_DATA_DIR"):
-        folder = Path(os.environ["NANOPOST_DATA_DIR"]) / repo / (config or "default")
-        local = sorted(folder.glob(f"{split}*.parquet")) + sorted(folder.glob(f"{split}*.jsonl"))
-        if not local:
-            raise FileNotFoundError(f"$NANOPOST_DATA_DIR is set but {folder} has no {split}*.parquet or "
-                                    f"{split}*.jsonl files: add them, or unset NANOPOST_DATA_DIR to download {repo}")
+        local = local_files(repo, split, config)
     if local is None:
         rows = load_dataset(repo, config, split=split, streaming=streaming)
     else:
@@ -347,13 +384,64 @@ def load_rows(repo, split, config=None, local=None, streaming=False, size=None):
     return rows.take(size) if streaming else rows.select(range(min(size, len(rows))))
 
 
-FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceFW/fineweb-edu", "sample-10BT"
-FINEWEB_VAL_DOCS = 10_000  # the first documents of the stream are the fixed validation set; training skips them
+class ParquetDocuments:
+    """
+    The `text` column of parquet files as one numbered sequence of documents (row r of the files in order is document
+    r), restricted to the documents [first, last). Read row group by row group, so that under DDP each rank reads only
+    its own row groups (row group g belongs to rank g % world_size) and a resumed run seeks to its position through
+    the files' metadata instead of reading everything before it.
+    """
+
+    def __init__(self, files, first=0, last=None):
+        import pyarrow.parquet as pq  # only where parquet files are read
+
+        self.files = [pq.ParquetFile(f) for f in files]
+        self.first, self.last = first, last
+        self.row_groups = []  # (file, row group, number of its first document, number of rows)
+        start = 0
+        for parquet in self.files:
+            for g in range(parquet.num_row_groups):
+                rows = parquet.metadata.row_group(g).num_rows
+                self.row_groups.append((parquet, g, start, rows))
+                start += rows
+
+    def shard(self, rank=0, world_size=1, start=0):
+        """(document number, text) of this rank's row groups, from document max(start, first) up to last."""
+        start = max(start, self.first)
+        for index, (parquet, g, first_doc, rows) in enumerate(self.row_groups):
+            if self.last is not None and first_doc >= self.last:
+                return
+            if index % world_size != rank or first_doc + rows <= start:
+                continue  # another rank's row group, or one already trained on: never read
+            texts = parquet.read_row_group(g, columns=["text"]).column("text").to_pylist()
+            for i, text in enumerate(texts, start=first_doc):
+                if i >= start and (self.last is None or i < self.last):
+                    yield i, text
+
+    def __iter__(self):
+        return (text for _, text in self.shard())
 
 
 def fineweb_texts(split, local=None):
-    """FineWeb-Edu `text` documents, streamed. 'val' is the first FINEWEB_VAL_DOCS documents, 'train' the rest."""
-    rows = load_rows(FINEWEB_REPO, "train", FINEWEB_CONFIG, local=local, streaming=True)
+    """
+    FineWeb-Edu `text` documents: 'val' is the first FINEWEB_VAL_DOCS documents, 'train' the rest. From local parquet
+    files (`local`, else $NANOPOST_DATA_DIR) as a ParquetDocuments that DDP ranks read disjointly; with neither, streamed
+    from the hub (every reader sees the whole stream: fine for the tokenizer, wasteful for pretraining, which
+    therefore asks for `python tasks.py prepare` first).
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if local is None and os.environ.get("NANOPOST_DATA_DIR"):
+        local = local_files(FINEWEB_REPO, "train", FINEWEB_CONFIG)
+    if local is not None:
+        files = [local] if isinstance(local, (str, Path)) else list(local)
+        return ParquetDocuments(files, *((0, FINEWEB_VAL_DOCS) if split == "val" else (FINEWEB_VAL_DOCS, None)))
+    return streamed_fineweb_texts(split)
+
+
+def streamed_fineweb_texts(split):
+    """FineWeb-Edu documents streamed from the hub (nothing is fetched until the first one is asked for)."""
+    rows = load_rows(FINEWEB_REPO, "train", FINEWEB_CONFIG, streaming=True)
     rows = rows.take(FINEWEB_VAL_DOCS) if split == "val" else rows.skip(FINEWEB_VAL_DOCS)
     for row in rows:
         yield row["text"]
@@ -624,13 +712,18 @@ def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_siz
     rows of seq_len + 1 tokens (a document may span rows and batches: this is pretraining). inputs = row[:-1],
     targets = row[1:], both LongTensor (batch_size, seq_len). The tail that does not fill a batch is dropped.
 
-    DDP: document i belongs to rank i % world_size, so ranks never see the same text. `position` = (document index,
-    token offset) where the next batch of this rank begins; passing it back as `start` continues the stream
-    exactly where it left off (documents before it are skipped without being tokenized).
+    DDP: document i belongs to rank i % world_size, so ranks never see the same text; a ParquetDocuments `texts`
+    shards by row group instead, so that each rank reads only its own part of the files. `position` = (document
+    index, token offset) where the next batch of this rank begins; passing it back as `start` continues the stream
+    exactly where it left off (documents before it are skipped without being tokenized, row groups before it without
+    being read).
     """
     row_tokens = batch_size * (seq_len + 1)
     first_doc, offset = start
-    mine = ((i, text) for i, text in enumerate(texts) if i >= first_doc and i % world_size == rank)
+    if isinstance(texts, ParquetDocuments):
+        mine = texts.shard(rank, world_size, first_doc)
+    else:
+        mine = ((i, text) for i, text in enumerate(texts) if i >= first_doc and i % world_size == rank)
     queue = deque()  # (document index, token ids) not yet packed; packing resumes at `offset` of queue[0]
     queued = -offset  # tokens in the queue from `offset` on (the first document queued is the one `start` names)
     next_doc = first_doc  # index just past the last document queued: where to resume if the queue runs dry
@@ -679,9 +772,9 @@ def write_stand_in_data(root, seed=0, documents=12_000, rows=512):
     # FineWeb-Edu: random-word text, varied enough for a 65,536-token BPE; more than FINEWEB_VAL_DOCS documents.
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(60_000)]
     texts = [" ".join(rng.choices(words, k=rng.randint(20, 200))) + "." for _ in range(documents)]
-    folder = root / FINEWEB_REPO / FINEWEB_CONFIG
+    folder = root / FINEWEB_REPO / HUB_FOLDERS[FINEWEB_REPO, FINEWEB_CONFIG][0]  # the hub's own layout
     folder.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"text": texts}), folder / "train-00000.parquet")
+    pq.write_table(pa.table({"text": texts}), folder / "000_00000.parquet", row_group_size=1000)
 
     for split in ("train", "test"):
         problems = [p for p, _ in zip(synthetic_problems(split, seed), range(rows))]
@@ -708,3 +801,45 @@ def write_stand_in_data(root, seed=0, documents=12_000, rows=512):
     for split in ("dev", "validation", "test"):
         write_jsonl("cais/mmlu", "all", split, mmlu)
     return root
+
+
+# -----------------------------------------------------------------------------
+# Data preparation: `python tasks.py prepare` downloads every hub file the full preset reads, once, into
+# $NANOPOST_HOME/data in the hub's own layout (resumable: finished files are skipped). Runs then read them through
+# $NANOPOST_DATA_DIR, each rank its own row groups, and a resumed run seeks instead of downloading again.
+
+HUB_DOWNLOADS = {  # repo -> the files of it the full preset reads
+    FINEWEB_REPO: ["sample/10BT/*.parquet"],  # ~10B tokens, ~27 GB
+    "openai/gsm8k": ["main/*"],
+    "HuggingFaceTB/smol-smoltalk": ["data/*"],
+    "HuggingFaceH4/ultrafeedback_binarized": ["data/train_prefs-*", "data/test_prefs-*"],
+    "allenai/ai2_arc": ["ARC-Easy/*", "ARC-Challenge/*"],
+    "cais/mmlu": ["all/*"],
+}
+
+
+def prepare(dest, fineweb_shards=None):
+    """Download HUB_DOWNLOADS into `dest` (the first `fineweb_shards` FineWeb-Edu files only, if given)."""
+    from huggingface_hub import list_repo_files, snapshot_download  # installed with `datasets`
+
+    for repo, patterns in HUB_DOWNLOADS.items():
+        if repo == FINEWEB_REPO and fineweb_shards is not None:
+            names = sorted(f for f in list_repo_files(repo, repo_type="dataset") if fnmatch(f, patterns[0]))
+            patterns = names[:fineweb_shards]
+        print(f"prepare: {repo} {patterns} -> {Path(dest) / repo}", flush=True)
+        snapshot_download(repo, repo_type="dataset", allow_patterns=patterns, local_dir=Path(dest) / repo)
+    print(f"prepare: done. Runs read these files when NANOPOST_DATA_DIR={dest} (speedrun.sh sets it).")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from common import get_base_dir
+
+    parser = argparse.ArgumentParser(description="Download the full preset's hub data once (resumable).")
+    parser.add_argument("command", choices=["prepare"], help="prepare: download into --dest")
+    parser.add_argument("--dest", default=None, help="target folder (default: $NANOPOST_HOME/data)")
+    parser.add_argument("--fineweb-shards", type=int, default=None, help="download only the first N FineWeb-Edu "
+                        "sample-10BT files (default: all, ~27 GB; the full preset reads ~8.4B tokens of ~10B)")
+    args = parser.parse_args()
+    prepare(args.dest or get_base_dir() / "data", args.fineweb_shards)

@@ -53,8 +53,9 @@ def parquet_docs(tmp_path, monkeypatch):
     return path
 
 
-def write_parquet(path, texts):
-    pq.write_table(pa.table({"text": texts, "id": [f"doc-{i}" for i in range(len(texts))]}), path)
+def write_parquet(path, texts, row_group_size=None):
+    pq.write_table(pa.table({"text": texts, "id": [f"doc-{i}" for i in range(len(texts))]}), path,
+                   row_group_size=row_group_size)
 
 
 def run_main(argv, out):
@@ -237,12 +238,12 @@ def single_token_documents(tokenizer, count, length, seed=0):
 
 @pytest.mark.slow
 def test_torchrun_two_processes_match_one_process_with_accumulation(home):
-    # With every document exactly one row long (BOS + 32 tokens), document i is row i, so the 2 ranks together
-    # (rank r takes documents r, r+2, ...) see the same rows per step as one process with 2 accumulation steps.
-    # Only the order of the floating-point sums differs.
+    # With every document exactly one row long (BOS + 32 tokens) and one row group per document, document i is row
+    # i, so the 2 ranks together (rank r reads row groups r, r+2, ...) see the same rows per step as one process with
+    # 2 accumulation steps. Only the order of the floating-point sums differs.
     tokenizer = Tokenizer.load(home / "tokenizer")
     path = home / "docs.parquet"
-    write_parquet(path, single_token_documents(tokenizer, tasks.FINEWEB_VAL_DOCS + 200, 32))
+    write_parquet(path, single_token_documents(tokenizer, tasks.FINEWEB_VAL_DOCS + 200, 32), row_group_size=1)
     argv = [*SMALL, "--data-files", str(path), "--num-iterations", "6", "--eval-every", "6", "--save-every", "0"]
     env = {**os.environ, "NANOPOST_HOME": str(home), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     runs = {}
@@ -269,3 +270,58 @@ def test_torchrun_two_processes_match_one_process_with_accumulation(home):
     assert (record_single["world_size"], record_ddp["world_size"]) == (1, 2)
     assert record_ddp["val_bpb"] == pytest.approx(record_single["val_bpb"], rel=1e-5)
     assert meta_ddp["val_bpb"] == record_ddp["val_bpb"]
+
+
+# -----------------------------------------------------------------------------
+# Pretraining data read once, by the rank that needs it
+
+
+def test_ranks_read_disjoint_row_groups_and_resume_seeks(tmp_path, monkeypatch):
+    docs = [f"document {i}" for i in range(50)]
+    path = tmp_path / "docs.parquet"
+    write_parquet(path, docs, row_group_size=5)  # 10 row groups
+    reads = []
+    real_read = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
+                        lambda self, g, **kw: reads.append(g) or real_read(self, g, **kw))
+    train = tasks.ParquetDocuments([path], first=10)  # documents 0-9 are the validation split
+    shards = [list(train.shard(rank, 2)) for rank in range(2)]
+    assert [i for i, _ in shards[0]] == [10, 11, 12, 13, 14, 20, 21, 22, 23, 24, 30, 31, 32, 33, 34, 40, 41, 42, 43, 44]
+    assert sorted(i for shard in shards for i, _ in shard) == list(range(10, 50))  # disjoint, and nothing lost
+    assert all(text == docs[i] for shard in shards for i, text in shard)
+    assert sorted(reads) == list(range(2, 10))  # the validation row groups were never read for training
+    reads.clear()
+    assert [i for i, _ in train.shard(1, 2, start=37)] == [37, 38, 39, 45, 46, 47, 48, 49]
+    assert reads == [7, 9]  # a resume seeks: the row groups before its position are not read
+
+
+def test_data_dir_accepts_the_hub_snapshot_layout(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPOST_DATA_DIR", str(tmp_path))
+    fineweb = tmp_path / tasks.FINEWEB_REPO / "sample" / "10BT"
+    fineweb.mkdir(parents=True)
+    write_parquet(fineweb / "000_00000.parquet", [f"a{i}" for i in range(6)])
+    write_parquet(fineweb / "001_00000.parquet", [f"b{i}" for i in range(6)])
+    gsm8k = tmp_path / "openai" / "gsm8k" / "main"
+    gsm8k.mkdir(parents=True)
+    for split in ("train", "test"):
+        pq.write_table(pa.table({"question": [f"{split} q"], "answer": ["1 + 1 = <<1+1=2>>2.\n#### 2"]}),
+                       gsm8k / f"{split}-00000-of-00001.parquet")
+    monkeypatch.setattr(tasks, "FINEWEB_VAL_DOCS", 4)
+    assert list(tasks.fineweb_texts("val")) == ["a0", "a1", "a2", "a3"]
+    assert list(tasks.fineweb_texts("train")) == ["a4", "a5"] + [f"b{i}" for i in range(6)]
+    assert tasks.GSM8K("test")[0]["messages"][0]["content"] == "test q"
+
+
+def test_empty_data_dir_is_a_clear_error_not_a_download(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPOST_DATA_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=f"NANOPOST_DATA_DIR={tmp_path}.*tasks.py prepare"):
+        tasks.fineweb_texts("train")
+    with pytest.raises(FileNotFoundError, match="openai/gsm8k"):
+        tasks.GSM8K("train")
+
+
+def test_pretraining_fineweb_without_local_files_asks_for_prepare(monkeypatch):
+    monkeypatch.delenv("NANOPOST_DATA_DIR", raising=False)
+    monkeypatch.setattr(tasks, "load_rows", lambda *a, **k: pytest.fail("must not stream from the hub"))
+    with pytest.raises(FileNotFoundError, match="tasks.py prepare"):
+        pretrain.training_texts("fineweb", "train")

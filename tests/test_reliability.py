@@ -314,7 +314,8 @@ def test_scripts_turn_expected_failures_into_one_line(killed_run, tmp_path):
 
 def test_data_dir_without_the_files_names_the_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPOST_DATA_DIR", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'openai/gsm8k/main'} has no test*.parquet")):
+    with pytest.raises(FileNotFoundError, match=re.escape(
+            f"no files of openai/gsm8k (main, split 'test') under {tmp_path / 'openai/gsm8k'}")):
         tasks.GSM8K("test")
 
 
