@@ -222,6 +222,17 @@ class GPT(nn.Module):
         keys/values are appended, and the cache advances by T.
         """
         B, T = idx.size()
+        logits = self.lm_head(self.trunk(idx, kv_cache)).float()  # (B, T, V)
+        logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1,
+                               reduction=loss_reduction)
+        return loss.view(B, T) if loss_reduction == "none" else loss
+
+    def trunk(self, idx, kv_cache=None):
+        """The final hidden states (B, T, C), RMS-normalised: what lm_head reads, and ScalarHeadModel's head too."""
+        B, T = idx.size()
         if kv_cache is None:
             if T > self.rotary_len:
                 raise ValueError(f"sequence of {T} tokens is longer than the rotary tables ({self.rotary_len})")
@@ -240,13 +251,46 @@ class GPT(nn.Module):
             x = block(x, cos, sin, attn_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(T)
-        logits = self.lm_head(norm(x)).float()  # (B, T, V)
-        logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
-        if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-1,
-                               reduction=loss_reduction)
-        return loss.view(B, T) if loss_reduction == "none" else loss
+        return norm(x)
+
+
+# -----------------------------------------------------------------------------
+# A GPT trunk with a scalar head: the reward model (rm.py, read at the answer's last token) and PPO's critic
+# (rl.py --advantage gae, read at every token)
+
+
+class ScalarHeadModel(nn.Module):
+    """
+    s_t = w . h_t + b, where h_t = gpt.trunk(idx)[:, t] is the normalised final hidden state after token t.
+    The GPT keeps its lm_head (unused here, so it gets no gradient and AdamW leaves it alone): the checkpoint is
+    then a plain GPT state dict plus `head.*`, and merge.py averages reward models like any other checkpoint.
+    The head starts at zero: every score is 0 until training moves it (a critic's neutral first guess).
+    """
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+        self.head = nn.Linear(gpt.config.n_embd, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @property
+    def config(self):
+        return self.gpt.config
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx):
+        """idx (B, T) -> scores (B, T) float32: the head read after every token."""
+        return self.head(self.gpt.trunk(idx)).squeeze(-1).float()
+
+    def setup_optimizers(self, matrix_lr, embedding_lr, unembedding_lr, weight_decay=0.0):
+        """The trunk's [AdamW, Muon] (GPT.setup_optimizers), with the head in the AdamW at lm_head's learning rate."""
+        adamw, muon = self.gpt.setup_optimizers(matrix_lr, embedding_lr, unembedding_lr, weight_decay)
+        lr = adamw.param_groups[0]["lr"]  # lm_head's, already width-scaled: the head is a 1-row lm_head
+        adamw.add_param_group(dict(params=list(self.head.parameters()), lr=lr, initial_lr=lr))
+        return [adamw, muon]
 
 
 # -----------------------------------------------------------------------------

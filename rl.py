@@ -52,8 +52,8 @@ from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute
                     has_checkpoint, load_checkpoint, load_model, print0, save_checkpoint, synchronize)
 from engine import Engine, sampling_logprobs
 from eval import completion_text, evaluate_generative
-from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
-from tasks import GSM8K, SyntheticTask, collate, safe_reward
+from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
+from tasks import GSM8K, SyntheticTask, collate, pad_sequences, safe_reward
 
 PRESETS = {
     # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
@@ -255,6 +255,100 @@ def mismatch_weights(trainer_logp, engine_logp, mode="tis", cap=2.0, window=(0.5
 
 
 # -----------------------------------------------------------------------------
+# PPO with a critic (--advantage gae): per-token rewards, GAE, the clipped value loss; and the reward model's scores
+
+
+def token_rewards(scores, kl, mask, kl_coef):
+    """
+    Per-token rewards (B, T) of PPO for language models (Ziegler et al. 2019; Stiennon et al. 2020; OpenRLHF's
+    compute_reward): the KL penalty on every valid token, the sequence's score on its last valid token,
+
+        r_t = -kl_coef * kl_t                  for every t with mask_t = 1
+        r_T = -kl_coef * kl_T + score          T = the last t with mask_t = 1 (the answer's <|assistant_end|>)
+
+    scores (B,); kl (B, T) a per-token KL estimate, e.g. k1 = old_logp - ref_logp (detached: the penalty is part of
+    the reward, not a loss); mask (B, T). A row with no valid token gets no reward.
+    """
+    mask = mask.float()
+    rewards = -kl_coef * kl * mask  # (B, T)
+    positions = torch.arange(1, mask.size(1) + 1, device=mask.device)
+    last = (mask * positions).argmax(-1)  # (B,) index of the last valid token (0 for an empty row)
+    rewards[torch.arange(mask.size(0), device=mask.device), last] += scores * (mask.sum(-1) > 0)
+    return rewards
+
+
+def gae(rewards, values, mask, gamma=1.0, lam=0.95):
+    """
+    Generalized advantage estimation (Schulman et al. 2016, eqs. 11-16), backwards over each row's valid tokens:
+
+        delta_t = r_t + gamma V(s_{t+1}) - V(s_t),     A_t = delta_t + gamma lam A_{t+1},     R_t = A_t + V(s_t)
+
+    rewards, values, mask: (B, T); values[:, t] = V(s_t), the critic's estimate before token t is chosen. s_{t+1} is
+    the state of the next *valid* token: positions with mask 0 (prompt, forced tool output, padding) are not actions,
+    so they are skipped and the value is bootstrapped across them; after a row's last valid token V = 0 (the episode
+    ends). Rewards at mask-0 positions are ignored. gamma = lam = 1 with V = 0 gives A_t = the reward-to-go.
+    Returns (advantages, returns), (B, T), 0 where mask is 0.
+    """
+    valid = mask > 0
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    next_value = torch.zeros(rewards.size(0), device=rewards.device)  # V(s_{t+1}) of the next valid token
+    next_advantage = torch.zeros_like(next_value)  # A_{t+1}
+    for t in reversed(range(rewards.size(1))):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(valid[:, t], advantage, 0.0)
+        next_value = torch.where(valid[:, t], values[:, t].float(), next_value)
+        next_advantage = torch.where(valid[:, t], advantage, next_advantage)
+    returns = (advantages + values) * valid
+    return advantages, returns
+
+
+def value_loss(values, old_values, returns, mask, clip_eps=0.2, count=None):
+    """
+    PPO's clipped value loss (OpenAI baselines ppo2; OpenRLHF's ValueLoss), per token:
+
+        V_clip = V_old + clip(V - V_old, -clip_eps, clip_eps),     l_t = 0.5 max((V_clip - R_t)^2, (V - R_t)^2)
+
+    so a value step cannot profit from moving V further than clip_eps from where the rollout's critic had it.
+    values (B, T) with gradient; old_values, returns (B, T) detached. Token-mean over mask (N_tokens = `count`
+    when the batch is split into micro-batches, as in aggregate). Returns (loss, fraction of valid tokens whose
+    clipped term is the larger one, i.e. the token gets no gradient).
+    """
+    clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    unclipped_sq, clipped_sq = (values - returns).square(), (clipped - returns).square()
+    loss = aggregate(0.5 * torch.maximum(unclipped_sq, clipped_sq), mask, "token-mean", count=count)
+    valid = mask > 0
+    clip_frac = float(((clipped_sq > unclipped_sq) & valid).sum()) / max(int(valid.sum()), 1)
+    return loss, clip_frac
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var[R - V] / Var[R] over valid tokens: 1 is a perfect critic, 0 one no better than a constant."""
+    valid = mask > 0
+    v, r = values[valid].float(), returns[valid].float()
+    if r.numel() < 2:
+        return float("nan")
+    return float(1 - (r - v).var() / r.var().clamp(min=1e-8))
+
+
+def whiten(values, mask, eps=1e-8):
+    """(x - mean) / (std + eps) over the valid tokens of a batch (PPO's advantage normalisation); 0 elsewhere."""
+    valid = mask > 0
+    mean, std = values[valid].mean(), values[valid].std(unbiased=False)
+    return ((values - mean) / (std + eps)) * valid
+
+
+def normalize_scores(scores, eps=1e-6):
+    """
+    Per-batch normalisation of reward-model scores (N,): z = (s - mean(s)) / (std(s) + eps), population std, over
+    the step's completions (rl.py passes each rank's own). A reward model's scale and offset are arbitrary (only
+    differences are trained); fixing them per batch keeps the KL coefficient and the critic's targets on one scale.
+    (GRPO's std-scaled group advantages are unchanged by it; the KL term's weight relative to the reward is not.)
+    """
+    return (scores - scores.mean()) / (scores.std(unbiased=False) + eps)
+
+
+# -----------------------------------------------------------------------------
 # Rollouts
 
 
@@ -324,16 +418,18 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
 # The learner's view of a rollout
 
 
-def learner_rows(groups, group_size, adv_scale, adv_baseline, mask_truncated):
+def learner_rows(groups, group_size, adv_scale, adv_baseline, mask_truncated, raw_rewards=False):
     """
     One row per completion: (ids, mask, behavior_logprobs, advantage), ids = prompt + completion tokens exactly as
     sampled, mask 0 on the prompt and on forced tool output (and on the whole completion if it hit max_tokens and
     mask_truncated is set), behavior_logprobs the engine's log-prob of each token (0 on the prompt).
+    raw_rewards: the last element is the completion's reward instead (--advantage gae turns it into per-token ones).
     """
     if not groups:
         return []
     rewards = torch.tensor([r for g in groups for r in g["rewards"]])
-    advantages = group_advantages(rewards, group_size, scale=adv_scale, baseline=adv_baseline).tolist()
+    advantages = rewards.tolist() if raw_rewards else \
+        group_advantages(rewards, group_size, scale=adv_scale, baseline=adv_baseline).tolist()
     rows = []
     for g, group in enumerate(groups):
         for j, completion in enumerate(group["completions"]):
@@ -369,6 +465,22 @@ def token_logprobs(model, inputs, targets, sampling):
     logp = logprobs.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1).clamp(min=LOGP_FLOOR)  # (B, T)
     entropy = torch.special.entr(logprobs.detach().exp()).sum(-1)  # (B, T); entr(0) = 0 where top-k/top-p cut
     return logp, entropy
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, groups, pad_id, device, batch_size):
+    """
+    The reward model's raw score of every completion of `groups` (prompt + completion tokens, as sampled), read at
+    the completion's last token (its <|assistant_end|>, or where max_tokens cut it), in group order: (N,) float.
+    """
+    sequences = [group["prompt"] + completion.tokens for group in groups for completion in group["completions"]]
+    scores = []
+    for i in range(0, len(sequences), batch_size):
+        ids, lengths = pad_sequences(sequences[i:i + batch_size], pad_id)
+        with autocast_ctx(device):
+            values = reward_model(ids.to(device))  # (B, T)
+        scores.append(values.gather(1, (lengths.to(device) - 1)[:, None]).squeeze(1).float())
+    return torch.cat(scores) if scores else torch.zeros(0, device=device)
 
 
 def all_reduce_gradients(model):
@@ -444,13 +556,31 @@ def parse_args(argv=None):
     add("--eps-high", type=float, default=0.28, help="upper clip: ratio <= 1 + eps_high (clip-higher)")
     add("--dual-clip", type=float, default=None, help="cap the loss of negative-advantage tokens at -c A (e.g. 3)")
     add("--loss-agg", choices=AGGREGATIONS, default="token-mean", help="how token losses are averaged")
-    add("--kl-coef", type=float, default=0.0, help="KL(pi || pi_ref) penalty weight; 0 loads no reference model")
+    add("--kl-coef", type=float, default=None,
+        help="KL(pi || pi_ref) penalty weight; 0 loads no reference model (default: 0, or 0.05 with --reward rm: "
+             "a learned reward can be exploited, a verifier cannot)")
     add("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see kl_penalty)")
     add("--mismatch", choices=["none", "tis", "mask"], default="tis",
         help="engine/trainer log-prob mismatch correction (see mismatch_weights)")
     add("--tis-cap", type=float, default=2.0, help="truncation of the importance weight (--mismatch tis)")
     add("--mask-window", type=float, nargs=2, default=(0.5, 2.0), metavar=("LOW", "HIGH"),
         help="drop tokens whose trainer/engine probability ratio leaves [LOW, HIGH] (--mismatch mask)")
+    add("--kl-placement", choices=["loss", "reward"], default=None,
+        help="loss: kl_coef * KL(kl-kind) added to the policy loss (GRPO); reward: -kl_coef * (logp - ref_logp) on "
+             "every token's reward (PPO-RLHF, token_rewards; needs --advantage gae). Default: reward with gae, else loss")
+    # reward model and critic
+    add("--reward", choices=["verifier", "rm"], default="verifier",
+        help="verifier: the task's exact check; rm: the --rm-ckpt reward model's score of each completion, normalised "
+             "per batch (normalize_scores); the verifier then only measures (reward/accuracy, held-out pass@1)")
+    add("--rm-ckpt", default=None, help="reward model checkpoint of rm.py (--reward rm)")
+    add("--advantage", choices=["group", "gae"], default="group",
+        help="group: group_advantages (GRPO/RLOO); gae: PPO with a critic (a copy of the policy trunk with a scalar "
+             "head), per-token rewards and generalized advantage estimation, advantages whitened per batch")
+    add("--gamma", type=float, default=1.0, help="discount of GAE (--advantage gae)")
+    add("--lam", type=float, default=0.95, help="lambda of GAE (--advantage gae)")
+    add("--value-clip", type=float, default=0.2, help="the critic's clip range eps_v (see value_loss)")
+    add("--critic-lr-frac", type=float, default=None,
+        help="the critic's learning rates as a fraction of pretraining's (default: 2x --lr-frac)")
     # optimization
     add("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
     add("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
@@ -469,6 +599,18 @@ def parse_args(argv=None):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.kl_coef is None:
+        args.kl_coef = 0.05 if args.reward == "rm" else 0.0
+    if args.kl_placement is None:
+        args.kl_placement = "reward" if args.advantage == "gae" else "loss"
+    if args.kl_placement == "reward" and args.advantage != "gae":
+        parser.error("--kl-placement reward needs --advantage gae (group advantages take the KL as a loss term)")
+    if args.reward == "rm" and args.rm_ckpt is None:
+        parser.error("--reward rm needs --rm-ckpt PATH (a checkpoint written by rm.py)")
+    if args.reward == "rm" and args.overlong_buffer:
+        parser.error("--overlong-buffer shapes verifier rewards; it does not apply to --reward rm")
+    if args.critic_lr_frac is None:
+        args.critic_lr_frac = 2 * args.lr_frac
     return args
 
 
@@ -493,6 +635,16 @@ def main(argv=None):
     if args.kl_coef > 0:
         ref_model, _, _ = load_model(ckpt, device)
         ref_model.requires_grad_(False)
+    reward_model = critic = None
+    if args.reward == "rm":  # frozen: scores the rollouts
+        reward_model, rm_tokenizer, rm_meta = load_model(args.rm_ckpt, device)
+        if not rm_meta.get("reward_model") or rm_tokenizer.encode("a test 123") != tokenizer.encode("a test 123") \
+                or rm_tokenizer.vocab_size != tokenizer.vocab_size:
+            raise ValueError(f"--rm-ckpt {args.rm_ckpt} is not a reward model of this policy's tokenizer; "
+                             "train one with rm.py from the same SFT checkpoint")
+        reward_model.requires_grad_(False)
+    if args.advantage == "gae":  # the critic: a copy of the policy's trunk with a zero scalar head, trained below
+        critic = ScalarHeadModel(load_model(out if resume else ckpt, device)[0]).to(device).train()
     engine = Engine(model, tokenizer)
     pad_id = tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
     print0(f"model: {model.num_params():,} parameters from {out if resume else ckpt} on {device}, {world_size} rank(s)")
@@ -506,11 +658,17 @@ def main(argv=None):
 
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    critic_optimizers = []
+    if critic is not None:
+        f = args.critic_lr_frac
+        critic_optimizers = critic.setup_optimizers(matrix_lr=MATRIX_LR * f, embedding_lr=EMBEDDING_LR * f,
+                                                    unembedding_lr=UNEMBEDDING_LR * f)
     longest_prompt = max(len(tokenizer.render_for_completion(train_task[i])) for i in range(min(64, len(train_task))))
     print0(f"plan: {args.num_steps} steps; each samples {args.prompts_per_step} x {args.group_size} completions of <= {args.max_tokens} tokens per round "
            f"(<= {args.max_sampling_rounds} rounds), then {args.epochs} epoch(s) x {args.minibatches} minibatch(es) of "
            f"optimizer steps; loss {args.loss} ({args.loss_agg}), advantages {args.adv_scale}/{args.adv_baseline}, "
-           f"KL {args.kl_coef}, mismatch {args.mismatch}; prompts up to {longest_prompt} + {args.max_tokens} tokens "
+           f"KL {args.kl_coef} ({args.kl_placement}), mismatch {args.mismatch}; reward {args.reward}, advantage "
+           f"{args.advantage}; prompts up to {longest_prompt} + {args.max_tokens} tokens "
            f"(model context {model.config.sequence_len})")
     if args.dry_run:
         print0("dry run: model, optimizers and data are built; stopping before the first rollout")
@@ -522,6 +680,10 @@ def main(argv=None):
         for optimizer, state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(state)
         start_step, history = extra["step"], extra["history"]
+        if critic is not None:
+            critic.load_state_dict(extra["critic"])
+            for optimizer, state in zip(critic_optimizers, extra["critic_optimizers"]):
+                optimizer.load_state_dict(state)
         print0(f"resuming at step {start_step}")
 
     def evaluate(step):
@@ -531,7 +693,15 @@ def main(argv=None):
                                      seed=mix_seed(args.seed, "eval"))
         k = f"pass@{args.eval_samples}"
         record = {"step": step, "pass@1": result["pass@1"], k: result[k], "errors": result["errors"]}
-        print0(f"eval step {step}: pass@1 {record['pass@1']:.4f}, {k} {record[k]:.4f}")
+        if reward_model is not None:  # the optimised reward model's view, next to the verifier's: do they part?
+            with autocast_ctx(device):
+                groups, _ = sample_groups(engine, test_task, len(eval_indices), 1, args.max_tokens, sampling,
+                                          seed=mix_seed(args.seed, "eval-rm"), filter_zero_contrast=False,
+                                          max_rounds=1)
+            record["rm_score"] = float(reward_model_scores(reward_model, groups, pad_id, device,
+                                                           args.device_batch_size).mean())
+        print0(f"eval step {step}: pass@1 {record['pass@1']:.4f}, {k} {record[k]:.4f}"
+               + (f", reward-model score {record['rm_score']:+.3f}" if "rm_score" in record else ""))
         return record
 
     logger = Logger(args.run, vars(args))
@@ -543,6 +713,8 @@ def main(argv=None):
         if rank != 0:
             return
         extra = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history}
+        if critic is not None:
+            extra.update(critic=critic.state_dict(), critic_optimizers=[o.state_dict() for o in critic_optimizers])
         save_checkpoint(out, step, model, {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
                                            "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=extra)
 
@@ -554,8 +726,15 @@ def main(argv=None):
         with autocast_ctx(device):
             groups, rollout = sample_groups(engine, train_task, groups_per_rank, args.group_size, args.max_tokens,
                                             sampling, seed=mix_seed(args.seed, step, rank),
-                                            filter_zero_contrast=args.filter_zero_contrast,
+                                            filter_zero_contrast=args.filter_zero_contrast and reward_model is None,
                                             max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer)
+        rm_score_sum = 0.0
+        if reward_model is not None:  # --reward rm: the reward model's normalised scores replace the verifier's
+            raw = reward_model_scores(reward_model, groups, pad_id, device, args.device_batch_size)  # (N,)
+            rm_score_sum = float(raw.sum())
+            normalized = normalize_scores(raw).tolist()
+            for g, group in enumerate(groups):
+                group["rewards"] = normalized[g * args.group_size:(g + 1) * args.group_size]
         synchronize(device)
         t1 = time.time()
 
@@ -563,7 +742,8 @@ def main(argv=None):
         minibatches = []
         for m in range(args.minibatches):
             rows = learner_rows(groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches],
-                                args.group_size, args.adv_scale, args.adv_baseline, args.mask_truncated)
+                                args.group_size, args.adv_scale, args.adv_baseline, args.mask_truncated,
+                                raw_rewards=critic is not None)
             rows.sort(key=lambda row: len(row[0]))  # similar lengths share a micro-batch: less padding, same loss
             minibatches.append([collate_rollouts(rows[i:i + args.device_batch_size], pad_id, device)
                                 for i in range(0, len(rows), args.device_batch_size)])
@@ -573,7 +753,8 @@ def main(argv=None):
         tally = {**rollout, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0, "gap_sum": 0.0,
                  "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0,
                  "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf,
-                 "ratio_max": -math.inf}  # the same keys on every rank: reduced across ranks below
+                 "ratio_max": -math.inf, "rm_score_sum": rm_score_sum, "value_loss_sum": 0.0,
+                 "value_clip_sum": 0.0}  # the same keys on every rank: reduced across ranks below
         with torch.no_grad():
             for micro in (micro for mb in minibatches for micro in mb):
                 micro["old_logp"], entropy = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
@@ -588,6 +769,25 @@ def main(argv=None):
                 tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
                 if ref_model is not None:
                     micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"], sampling)
+                if critic is not None:  # --advantage gae: per-token rewards (score + KL) -> GAE with the critic
+                    with autocast_ctx(device):
+                        micro["old_values"] = critic(micro["inputs"])  # (B, T): V(s_t) before target t
+                    kl = torch.zeros_like(mask)
+                    if ref_model is not None and args.kl_placement == "reward":
+                        kl = kl_penalty(micro["old_logp"], micro["ref_logp"], "k1")
+                        tally["kl_sum"] += float((kl * mask).sum())
+                    rewards = token_rewards(micro["advantages"], kl, mask, args.kl_coef)
+                    micro["advantages"], micro["returns"] = gae(rewards, micro["old_values"], mask, args.gamma,
+                                                                args.lam)
+        if critic is not None:
+            micros = [micro for mb in minibatches for micro in mb]
+            values = torch.cat([m["old_values"][m["mask"] > 0] for m in micros])
+            returns = torch.cat([m["returns"][m["mask"] > 0] for m in micros])
+            advantages = torch.cat([m["advantages"][m["mask"] > 0] for m in micros])
+            explained = explained_variance(values, returns, torch.ones_like(values))
+            mean, std = advantages.mean(), advantages.std(unbiased=False)  # PPO whitens advantages per batch
+            for m in micros:
+                m["advantages"] = (m["advantages"] - mean) / (std + 1e-8) * m["mask"]
         per_minibatch = torch.tensor([[sum(float(m["mask"].sum()) for m in mb),
                                        sum(float((m["mask"].sum(-1) > 0).sum()) for m in mb)] for mb in minibatches],
                                      dtype=torch.float64, device=device)  # (minibatches, 2): tokens, sequences
@@ -602,7 +802,7 @@ def main(argv=None):
                 group["lr"] = group["initial_lr"] * lr_multiplier
         optimizer_steps, grad_norms = 0, []  # the same on every rank (grad norms are taken after the all-reduce)
         for epoch in range(args.epochs):
-            for minibatch, count in zip(minibatches, counts):
+            for minibatch, count, value_count in zip(minibatches, counts, per_minibatch[:, 0].tolist()):
                 if count == 0:  # nothing to learn from on any rank (every group filtered or masked)
                     continue
                 for micro in minibatch:
@@ -612,12 +812,20 @@ def main(argv=None):
                                               agg=args.loss_agg, dual_clip=args.dual_clip, weights=micro["weights"],
                                               max_len=args.max_tokens, count=count)
                     num_tokens = float(micro["mask"].sum())
-                    if ref_model is not None:
+                    if ref_model is not None and args.kl_placement == "loss":
                         kl = kl_penalty(logp, micro["ref_logp"], args.kl_kind)  # (B, T)
                         loss = loss + args.kl_coef * aggregate(kl, micro["mask"], args.loss_agg,
                                                                max_len=args.max_tokens, count=count)
                         tally["kl_sum"] += float((kl.detach() * micro["mask"]).sum())
                     loss.backward()
+                    if critic is not None:
+                        with autocast_ctx(device):
+                            values = critic(micro["inputs"])  # (B, T)
+                        v_loss, v_clip = value_loss(values, micro["old_values"], micro["returns"], micro["mask"],
+                                                    args.value_clip, count=value_count)
+                        v_loss.backward()
+                        tally["value_loss_sum"] += v_loss.item()
+                        tally["value_clip_sum"] += v_clip * num_tokens
                     tally["loss_sum"] += loss.item()  # summed over micro-batches and ranks: the minibatch losses
                     tally["loss_tokens"] += num_tokens
                     tally["clip_low_sum"] += stats["clip_low"] * num_tokens
@@ -632,6 +840,14 @@ def main(argv=None):
                 for optimizer in optimizers:
                     optimizer.step()
                 model.zero_grad(set_to_none=True)
+                if critic is not None:
+                    if ddp:
+                        all_reduce_gradients(critic)
+                    if args.max_grad_norm > 0:
+                        torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                    for optimizer in critic_optimizers:
+                        optimizer.step()
+                    critic.zero_grad(set_to_none=True)
                 optimizer_steps += 1
         synchronize(device)
         t2 = time.time()
@@ -663,11 +879,23 @@ def main(argv=None):
         if grad_norms:
             metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
         if ref_model is not None:
-            metrics["policy/kl"] = tally["kl_sum"] / loss_tokens
+            metrics["policy/kl"] = tally["kl_sum"] / (loss_tokens if args.kl_placement == "loss" else tokens)
+        if reward_model is not None:
+            metrics["reward/rm_score"] = tally["rm_score_sum"] / n  # raw, before normalisation
+        if critic is not None:
+            metrics.update({"critic/value_loss": tally["value_loss_sum"] / max(optimizer_steps, 1),
+                            "critic/clip_frac": tally["value_clip_sum"] / loss_tokens,
+                            "critic/explained_variance": explained})
         logger.log(metrics, step=step + 1)
         elapsed = time.time() - t_start
         eta = elapsed / (step + 1 - start_step) * (args.num_steps - step - 1)
-        print0(f"step {step + 1}/{args.num_steps} | reward {metrics['reward/mean']:.3f} "
+        extra_line = ""
+        if reward_model is not None:
+            extra_line += f"| rm score {metrics['reward/rm_score']:+.3f} verifier acc {metrics['reward/accuracy']:.3f} "
+        if critic is not None:
+            extra_line += (f"| value loss {metrics['critic/value_loss']:.4f} "
+                           f"expl var {metrics['critic/explained_variance']:+.2f} ")
+        print0(f"step {step + 1}/{args.num_steps} | reward {metrics['reward/mean']:.3f} {extra_line}"
                f"| zero-contrast {metrics['batch/zero_contrast_frac']:.2f} kept {metrics['batch/groups_kept']:.0f} "
                f"| len {metrics['length/mean']:.1f} trunc {metrics['length/truncated_frac']:.2f} "
                f"| loss {metrics['policy/loss']:+.4f} "
@@ -687,8 +915,18 @@ def main(argv=None):
     save(args.num_steps, finished=True)
     before, after = history[0], history[-1]
     k = f"pass@{args.eval_samples}"
-    print0(f"held-out pass@1 {before['pass@1']:.4f} -> {after['pass@1']:.4f}, {k} {before[k]:.4f} -> {after[k]:.4f}")
-    append_report({"stage": "rl", "preset": args.preset, "task": args.task, "steps": args.num_steps, "seed": args.seed,
+    print0(f"held-out pass@1 {before['pass@1']:.4f} -> {after['pass@1']:.4f}, {k} {before[k]:.4f} -> {after[k]:.4f}"
+           + (f", reward-model score {before['rm_score']:+.3f} -> {after['rm_score']:+.3f}"
+              if reward_model is not None else ""))
+    if reward_model is not None:
+        extra_record = {"reward": "rm", "rm_score_before": before["rm_score"], "rm_score": after["rm_score"],
+                        "kl_coef": args.kl_coef}
+    else:
+        extra_record = {}
+    # Its own row of the report card: RL from the reward model (speedrun.sh --rlhf) and PPO next to GRPO's.
+    stage = "rlhf" if reward_model is not None else "ppo" if critic is not None else "rl"
+    append_report({"stage": stage, **extra_record,
+                   "preset": args.preset, "task": args.task, "steps": args.num_steps, "seed": args.seed,
                    "pass@1_before": before["pass@1"], "pass@1": after["pass@1"],
                    f"{k}_before": before[k], k: after[k], "eval_problems": len(eval_indices),
                    "eval_samples": args.eval_samples, "seconds": time.time() - t_start})
