@@ -6,6 +6,16 @@ Reinforcement learning from verifiable rewards: the GRPO family, one loop, every
     torchrun --nproc_per_node=8 rl.py --preset full             # one node, 8 GPUs
     torchrun --nnodes=2 --nproc_per_node=8 --node-rank=0 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
              rl.py --preset full                                # two nodes (node-rank 1 on the other)
+    python rl.py --preset tiny --ckpt CK/sft --out CK/rlhf --reward rm --rm-ckpt CK/rm   # RL from a reward model
+    python rl.py --preset tiny --ckpt CK/sft --out CK/ppo --advantage gae                # PPO with a critic and GAE
+    torchrun --nproc_per_node=8 rl.py --preset full --task ultrafeedback --reward rm --rm-ckpt CK/rm --out CK/rlhf
+
+Two switches leave the GRPO loop for the older RLHF recipe (Ziegler et al. 2019; Ouyang et al. 2022):
+    --reward rm     each completion is scored by a reward model of rm.py (normalize_scores: z-scored per step); the
+                    KL penalty to the reference is then on by default (0.05). The verifier still measures: reward
+                    accuracy and held-out pass@1 are logged next to the reward model's score.
+    --advantage gae a critic (the policy's trunk with a scalar head, own optimizers) and generalized advantage
+                    estimation over per-token rewards (token_rewards, gae, value_loss) replace group advantages.
 
 Each step, on every rank (ranks hold different prompts; a group never spans ranks):
     1. rollout   draw prompts; Engine.generate samples G completions of each (one prefill per prompt, all rows decoded
@@ -53,7 +63,7 @@ from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute
 from engine import Engine, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
-from tasks import GSM8K, SyntheticTask, collate, pad_sequences, safe_reward
+from tasks import GSM8K, SyntheticTask, UltraFeedbackPrompts, collate, pad_sequences, safe_reward
 
 PRESETS = {
     # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
@@ -516,7 +526,9 @@ def load_task(name, split, size):
         return SyntheticTask(split, size=size, seed=0)
     if name == "gsm8k":
         return GSM8K(split, size=size)
-    raise ValueError(f"unknown task {name!r}; expected 'synthetic' or 'gsm8k'")
+    if name == "ultrafeedback":  # prompts only, no verifier: for --reward rm
+        return UltraFeedbackPrompts("train_prefs" if split == "train" else "test_prefs", size=size)
+    raise ValueError(f"unknown task {name!r}; expected 'synthetic', 'gsm8k' or 'ultrafeedback'")
 
 
 # -----------------------------------------------------------------------------
@@ -534,7 +546,9 @@ def parse_args(argv=None):
     add("--out", default=None, help="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)")
     add("--resume", action="store_true", help="continue from the latest checkpoint in --out; exit if it is finished")
     # data and rollouts
-    add("--task", choices=["synthetic", "gsm8k"], help="training prompts and verifier; its held-out split is evaluated")
+    add("--task", choices=["synthetic", "gsm8k", "ultrafeedback"],
+        help="training prompts and verifier; its held-out split is evaluated (ultrafeedback: prompts with no "
+             "verifier, for --reward rm)")
     add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
     add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
     add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")

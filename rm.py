@@ -38,8 +38,8 @@ from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from tasks import GSM8K, SyntheticTask, pad_sequences, preference_mixture, prepare_rows, render_pair
 
 PRESETS = {
-    # tiny: 768 synthetic problems x 4 SFT samples -> ~550 verifier-labelled pairs; 3 epochs of 32-pair steps.
-    "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=768, eval_pairs=256, samples=4,
+    # tiny: 512 synthetic problems x 4 SFT samples -> a few hundred verifier-labelled pairs; 3 epochs of 32-pair steps.
+    "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=512, eval_pairs=192, samples=4,
                  max_new_tokens=48, lr_frac=0.1, head_lr_mult=10.0, batch_size=32, device_batch_size=32, epochs=3,
                  eval_every=20),
     # full: one epoch of UltraFeedback-binarized train_prefs (61k pairs).

@@ -409,6 +409,26 @@ class UltraFeedback:
         return preference_pair(self.rows[i]["chosen"], self.rows[i]["rejected"])
 
 
+class UltraFeedbackPrompts:
+    """
+    The prompts of UltraFeedback-binarized, for RL from a reward model (rl.py --reward rm --task ultrafeedback).
+    task[i] is the chosen conversation (render_for_completion drops its final answer). There is no verifier:
+    reward() is 0, so pass@1 means nothing here and the reward model's score is the only measure.
+    """
+
+    def __init__(self, split="train_prefs", local=None, size=None):
+        self.pairs = UltraFeedback(split, local=local, size=size)
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i):
+        return self.pairs[i]["chosen"]
+
+    def reward(self, conversation, completion):
+        return 0.0
+
+
 LETTERS = "ABCDEFGHIJ"
 
 
