@@ -49,9 +49,12 @@ if [ "${1:-}" = "--rlhf" ]; then
   python pretrain.py --preset tiny --resume
   python sft.py --preset tiny --resume
   python rm.py --preset tiny --resume
-  python rl.py --preset tiny --resume --ckpt "$CK/sft" --out "$CK/rlhf" --reward rm --rm-ckpt "$CK/rm"
+  # 12 steps of 8 prompts x 8 samples: enough for the reward model's score to rise well past where the verifier's
+  # accuracy follows it (README: "RL from a reward model"), and short enough for the 15-minute budget.
+  python rl.py --preset tiny --resume --ckpt "$CK/sft" --out "$CK/rlhf" --reward rm --rm-ckpt "$CK/rm" \
+    --num-steps 12 --eval-every 12 --prompts-per-step 8 --eval-problems 128 --eval-samples 4 --lr-frac 0.25
   for STAGE in sft rlhf; do
-    python eval.py --preset tiny --stage "$STAGE" --num-samples 8 --k 1,8 --tasks synthetic
+    python eval.py --preset tiny --stage "$STAGE" --num-samples 4 --k 1,4 --tasks synthetic --max-problems 128
   done
   echo "speedrun --rlhf: done. Report card: $NANOPOST_HOME/report.md"
   exit 0
