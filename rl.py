@@ -341,13 +341,6 @@ def explained_variance(values, returns, mask):
     return float(1 - (r - v).var() / r.var().clamp(min=1e-8))
 
 
-def whiten(values, mask, eps=1e-8):
-    """(x - mean) / (std + eps) over the valid tokens of a batch (PPO's advantage normalisation); 0 elsewhere."""
-    valid = mask > 0
-    mean, std = values[valid].mean(), values[valid].std(unbiased=False)
-    return ((values - mean) / (std + eps)) * valid
-
-
 def normalize_scores(scores, eps=1e-6):
     """
     Per-batch normalisation of reward-model scores (N,): z = (s - mean(s)) / (std(s) + eps), population std, over
@@ -799,7 +792,7 @@ def main(argv=None):
             returns = torch.cat([m["returns"][m["mask"] > 0] for m in micros])
             advantages = torch.cat([m["advantages"][m["mask"] > 0] for m in micros])
             explained = explained_variance(values, returns, torch.ones_like(values))
-            mean, std = advantages.mean(), advantages.std(unbiased=False)  # PPO whitens advantages per batch
+            mean, std = advantages.mean(), advantages.std(unbiased=False)  # PPO whitens advantages (per rank)
             for m in micros:
                 m["advantages"] = (m["advantages"] - mean) / (std + 1e-8) * m["mask"]
         per_minibatch = torch.tensor([[sum(float(m["mask"].sum()) for m in mb),
