@@ -474,15 +474,21 @@ def _torch_load(file, meta, device):
 
 
 def load_model(ckpt_dir, device, step=None):
-    """Rebuild the GPT and its tokenizer from a checkpoint folder: (model, tokenizer, meta), model in eval mode."""
+    """
+    Rebuild the model and its tokenizer from a checkpoint folder: (model, tokenizer, meta), model in eval mode.
+    The model is a GPT, or a ScalarHeadModel (GPT trunk + scalar head) when meta["reward_model"] is set (rm.py).
+    """
     # Imported here: model.py and tokenizer.py are leaves that never import common.py, and keeping it that
     # way means any of them can be read (and forked) on its own.
-    from model import GPT, GPTConfig
+    from model import GPT, GPTConfig, ScalarHeadModel
     from tokenizer import Tokenizer
 
     model_state, meta, _ = load_checkpoint(ckpt_dir, step, device=device)
     path = resolve_checkpoint(ckpt_dir, step)
-    model = GPT(GPTConfig(**meta["model_config"])).to(device)
+    model = GPT(GPTConfig(**meta["model_config"]))
+    if meta.get("reward_model"):
+        model = ScalarHeadModel(model)
+    model = model.to(device)
     model.load_state_dict(model_state, strict=True)
     model.eval()
     tokenizer = Tokenizer.load(path / "tokenizer")

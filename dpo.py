@@ -17,7 +17,6 @@ it every step instead).
 
 import argparse
 import copy
-import random
 import time
 from collections import Counter
 from contextlib import nullcontext
@@ -31,10 +30,9 @@ from torch.nn.parallel import DistributedDataParallel
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine
-from eval import completion_text, evaluate_generative
+from eval import evaluate_generative, self_generated_pairs
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
-from tasks import (GSM8K, RowTooLong, SyntheticPreferences, SyntheticTask, TaskMixture, UltraFeedback, collate,
-                   completion_reward, prepare_rows, token_budget_batches)
+from tasks import GSM8K, SyntheticTask, collate, preference_mixture, prepare_rows, render_pair, token_budget_batches
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo")
 # What a DPO step logs (means over the step's pairs), TRL's names.
@@ -149,63 +147,6 @@ def sequence_logps(model, inputs, targets):
     return token_logps.sum(-1), (targets >= 0).sum(-1)
 
 
-def render_pair(tokenizer, pair, max_seq_len):
-    """
-    A {"chosen", "rejected"} pair of conversations as ((chosen_ids, chosen_mask), (rejected_ids, rejected_mask)).
-    Both must render the same prompt (every token before the last <|assistant_start|>); the masks keep the
-    renderer's 1s of the final answer only, so earlier assistant turns (part of the prompt) are not scored.
-    Raises ValueError for different prompts, RowTooLong when a side exceeds max_seq_len tokens.
-    """
-    prompt = tokenizer.render_for_completion(pair["chosen"])
-    if tokenizer.render_for_completion(pair["rejected"]) != prompt:
-        raise ValueError("chosen and rejected render different prompts")
-    sides = []
-    for side in ("chosen", "rejected"):
-        ids, mask = tokenizer.render_conversation(pair[side])
-        if len(ids) > max_seq_len:
-            raise RowTooLong(f"{side} answer makes {len(ids)} tokens, more than --max-seq-len {max_seq_len}")
-        sides.append((ids, [0] * len(prompt) + mask[len(prompt):]))
-    return tuple(sides)
-
-
-def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64):
-    """
-    On-policy preference pairs: sample `num_samples` answers to each task[i] with the engine, score each with
-    tasks.completion_reward, and pair one correct answer (reward > 0) with one incorrect answer, each drawn at random
-    among its kind; a prompt whose answers are all right or all wrong gives no pair. An answer that ran into
-    max_tokens is incorrect whatever its text (it may be a rejected answer, never a chosen one: the pair then
-    teaches to stop). An answer the verifier failed on (crash, timeout, nonsense) is neither: it is left out of the
-    pair, and a prompt whose every answer errored counts as "unscored". The pair is made of the engine's own token
-    ids, never re-tokenized: ids = prompt + completion tokens, mask = 0 on the prompt and the completion's mask (1
-    where the model sampled the token, 0 on forced tool outputs). Returns (pairs as ((ids, mask), (ids, mask)),
-    Counter of outcomes per prompt, plus "verifier errors" and "truncated" counted per answer).
-    """
-    pairs, stats = [], Counter()
-    for start in range(0, len(indices), prompts_per_batch):
-        batch = indices[start:start + prompts_per_batch]
-        conversations = [task[i] for i in batch]
-        prompts = [engine.tokenizer.render_for_completion(c) for c in conversations]
-        results = engine.generate(prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
-                                  seed=seed + start)
-        for i, conversation, prompt, completions in zip(batch, conversations, prompts, results):
-            correct, incorrect = [], []
-            for completion in completions:
-                reward, error = completion_reward(task, conversation, completion_text(engine.tokenizer, completion),
-                                                  completion.finish)
-                stats["verifier errors"] += int(error)
-                stats["truncated"] += int(completion.finish == "length")
-                if not error:
-                    (correct if reward > 0 else incorrect).append(completion)
-            if not correct or not incorrect:
-                stats["all correct" if correct else "all incorrect" if incorrect else "unscored"] += 1
-                continue
-            rng = random.Random(f"{seed}-{i}")
-            chosen, rejected = rng.choice(correct), rng.choice(incorrect)
-            pairs.append(tuple((prompt + c.tokens, [0] * len(prompt) + c.mask) for c in (chosen, rejected)))
-            stats["paired"] += 1
-    return pairs, stats
-
-
 def pair_batch(pairs, pad_id):
     """(inputs, targets) of shape (2B, T) for B pairs: the chosen sides in rows 0..B-1, the rejected in B..2B-1."""
     return collate([chosen for chosen, _ in pairs] + [rejected for _, rejected in pairs], pad_id)
@@ -286,14 +227,6 @@ def eval_task(name, split, size, seed):
     if name == "synthetic":
         return SyntheticTask(split, size=size or 1000, seed=seed)
     return GSM8K(split, size=size)
-
-
-def preference_mixture(source, split, size, seed):
-    """The preference data of a static --pairs source, in one place: UltraFeedback-binarized or the synthetic pairs."""
-    if source == "ultrafeedback":
-        return TaskMixture([("ultrafeedback", UltraFeedback("train_prefs" if split == "train" else "test_prefs",
-                                                            size=size), None)], seed=seed)
-    return TaskMixture([("synthetic", SyntheticPreferences(split, size or 1000, seed), None)], seed=seed)
 
 
 def task_accuracy(model, tokenizer, args, device):

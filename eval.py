@@ -23,7 +23,10 @@ What is measured (--tasks):
   so a model that would ramble first is still scored on what it believes.
 - synthetic, gsm8k: generative. num_samples completions per problem from the engine (calculator on), checked by
   the task's strict verifier. pass@k is the unbiased estimator (pass_at_k) averaged over problems. One sample is
-  greedy by default; several are sampled at temperature 1, the policy's own distribution.
+  greedy by default; several are sampled at temperature 1, the policy's own distribution. Next to pass@k, maj@k
+  (k > 1): is the majority answer of the first k samples the right one (majority_vote: no-answer completions do
+  not vote; a tie goes to the answer sampled first)? pass@k asks whether any sample is right, maj@k whether the
+  model can tell by voting, without a verifier.
 - coverage (from the same per-problem counts, in the report): the pass@k curve k = 1..n averaged over problems,
   the coverage gain A = pass@n - pass@1 and S = A / (1 - pass@1), with bootstrap intervals over problems.
   RL that sharpens a model raises pass@1 and shrinks A and S: it samples what it could already find more often.
@@ -41,6 +44,7 @@ import platform
 import random
 import subprocess
 import time
+from collections import Counter
 from itertools import islice
 from pathlib import Path
 
@@ -51,11 +55,11 @@ import torch.distributed as dist
 import common
 from common import autocast_ctx, format_eta, get_dist_info, print0
 from engine import Engine
-from tasks import (GSM8K, LETTERS, MultipleChoice, SyntheticTask, collate, completion_reward, pretraining_batches,
-                   pretraining_texts, token_budget_batches)
+from tasks import (GSM8K, LETTERS, MultipleChoice, SyntheticTask, canonical_number, collate, completion_reward,
+                   extract_final_answer, pretraining_batches, pretraining_texts, token_budget_batches)
 
-STAGES = ("base", "sft", "dpo", "rl")  # the checkpoints eval.py evaluates
-PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl")  # the report card's order (pretrain.py: "pretrain")
+STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "merge")  # the checkpoints eval.py evaluates
+PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl", "ppo", "rm", "rlhf", "merge")  # the report card's order (pretrain.py: "pretrain")
 GENERATIVE_TASKS = ("synthetic", "gsm8k")
 MC_TASKS = tuple(MultipleChoice.SOURCES)  # arc-easy, arc-challenge, mmlu
 MC_STYLE = {"arc-easy": "continuation", "arc-challenge": "continuation", "mmlu": "letter"}
@@ -364,6 +368,20 @@ def completion_text(tokenizer, completion):
     return tokenizer.decode(tokens)
 
 
+def majority_vote(answers):
+    """
+    maj@k's vote (Wang et al. 2023, "Self-consistency"): the final answer most of `answers` agree on, or None if
+    none has one. Completions with no final answer (None) do not vote. A tie goes to the tied answer that was
+    sampled first (smallest index of first appearance), so the vote is deterministic and does not depend on the
+    answers' values.
+    """
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return None
+    top = max(counts.values())
+    return next(a for a in answers if a is not None and counts[a] == top)
+
+
 def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_tokens=256, temperature=0.0,
                         top_k=None, top_p=None, batch_size=32, seed=0, label=None):
     """
@@ -373,14 +391,21 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
     the per-problem counts are summed across ranks, so the result is the same as one process would get.
     `label`: print progress lines under that name (rank 0's share).
 
+    maj@k (for each k > 1, on tasks whose items carry a numeric "answer"): the majority_vote of the first k samples'
+    final answers (tasks.extract_final_answer; an answer that did not stop has none) is the reference; the fraction
+    of problems where it is.
+
     Returns {"correct": LongTensor (P,), "samples": n, "errors": int (verifier errors), "truncated": int
-    (completions that hit max_tokens), "pass@k": float for each k}.
+    (completions that hit max_tokens), "pass@k": float and "maj@k" for each k}.
     """
     rank = get_dist_info()[1]
     device = next(engine.model.parameters()).device
     correct = torch.zeros(len(indices), dtype=torch.long, device=device)
     errors = torch.zeros((), dtype=torch.long, device=device)
     truncated = torch.zeros((), dtype=torch.long, device=device)
+    maj_ks = [k for k in ks if k > 1]
+    majority = torch.zeros(len(indices), len(maj_ks), dtype=torch.long, device=device)  # (P, ks): vote was right
+    voted_on = torch.zeros((), dtype=torch.long, device=device)  # problems with a reference answer
     mine = _my_share(len(indices))
     t0 = time.time()
     for start in range(0, len(mine), batch_size):
@@ -391,23 +416,71 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
             results = engine.generate(prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
                                       top_k=top_k, top_p=top_p, seed=seed + start + rank * 1_000_003)
         for p, conversation, completions in zip(positions, conversations, results):
-            for completion in completions:
-                reward, error = completion_reward(task, conversation, completion_text(engine.tokenizer, completion),
-                                                  completion.finish)
+            texts = [completion_text(engine.tokenizer, completion) for completion in completions]
+            for completion, text in zip(completions, texts):
+                reward, error = completion_reward(task, conversation, text, completion.finish)
                 correct[p] += int(reward > 0)
                 errors += int(error)
                 truncated += int(completion.finish == "length")
+            reference = canonical_number(str(conversation.get("answer", "")))
+            if maj_ks and reference is not None:
+                answers = [extract_final_answer(text) if completion.finish == "stop" else None
+                           for completion, text in zip(completions, texts)]
+                majority[p] = torch.tensor([majority_vote(answers[:k]) == reference for k in maj_ks])
+                voted_on += 1
         if label is not None:
             _progress(label, min(start + batch_size, len(mine)), len(mine), t0)
     if dist.is_initialized():
         dist.all_reduce(correct)
         dist.all_reduce(errors)
         dist.all_reduce(truncated)
+        dist.all_reduce(majority)
+        dist.all_reduce(voted_on)
     correct = correct.cpu()
     result = {"correct": correct, "samples": num_samples, "errors": int(errors), "truncated": int(truncated)}
     for k in ks:
         result[f"pass@{k}"] = sum(pass_at_k(num_samples, int(c), k) for c in correct) / max(len(indices), 1)
+    if int(voted_on):
+        result.update({f"maj@{k}": float(majority[:, j].sum()) / int(voted_on) for j, k in enumerate(maj_ks)})
     return result
+
+
+def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64):
+    """
+    On-policy preference pairs: sample `num_samples` answers to each task[i] with the engine, score each with
+    tasks.completion_reward, and pair one correct answer (reward > 0) with one incorrect answer, each drawn at random
+    among its kind; a prompt whose answers are all right or all wrong gives no pair. An answer that ran into
+    max_tokens is incorrect whatever its text (it may be a rejected answer, never a chosen one: the pair then
+    teaches to stop). An answer the verifier failed on (crash, timeout, nonsense) is neither: it is left out of the
+    pair, and a prompt whose every answer errored counts as "unscored". The pair is made of the engine's own token
+    ids, never re-tokenized: ids = prompt + completion tokens, mask = 0 on the prompt and the completion's mask (1
+    where the model sampled the token, 0 on forced tool outputs). Returns (pairs as ((ids, mask), (ids, mask)),
+    Counter of outcomes per prompt, plus "verifier errors" and "truncated" counted per answer).
+    """
+    pairs, stats = [], Counter()
+    for start in range(0, len(indices), prompts_per_batch):
+        batch = indices[start:start + prompts_per_batch]
+        conversations = [task[i] for i in batch]
+        prompts = [engine.tokenizer.render_for_completion(c) for c in conversations]
+        results = engine.generate(prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
+                                  seed=seed + start)
+        for i, conversation, prompt, completions in zip(batch, conversations, prompts, results):
+            correct, incorrect = [], []
+            for completion in completions:
+                reward, error = completion_reward(task, conversation, completion_text(engine.tokenizer, completion),
+                                                  completion.finish)
+                stats["verifier errors"] += int(error)
+                stats["truncated"] += int(completion.finish == "length")
+                if not error:
+                    (correct if reward > 0 else incorrect).append(completion)
+            if not correct or not incorrect:
+                stats["all correct" if correct else "all incorrect" if incorrect else "unscored"] += 1
+                continue
+            rng = random.Random(f"{seed}-{i}")
+            chosen, rejected = rng.choice(correct), rng.choice(incorrect)
+            pairs.append(tuple((prompt + c.tokens, [0] * len(prompt) + c.mask) for c in (chosen, rejected)))
+            stats["paired"] += 1
+    return pairs, stats
 
 
 # -----------------------------------------------------------------------------
@@ -785,10 +858,12 @@ def main(argv=None):
                 result = evaluate_generative(engine, task, list(range(len(task))), args.num_samples, ks, max_tokens,
                                              temperature, args.top_k, batch_size=batch_size, seed=args.seed,
                                              label=label)
-                metrics.update({f"{name}/pass@{k}": result[f"pass@{k}"] for k in ks})
+                metrics.update({f"{name}/{m}@{k}": result[f"{m}@{k}"] for m in ("pass", "maj") for k in ks
+                                if f"{m}@{k}" in result})
                 metrics[f"{name}/truncated"], metrics[f"{name}/verifier_errors"] = result["truncated"], result["errors"]
                 coverage[name] = {"samples": args.num_samples, "correct": result["correct"].tolist()}
-                shown = " | ".join(f"pass@{k} {result[f'pass@{k}']:.4f}" for k in ks)
+                shown = " | ".join(f"{m}@{k} {result[f'{m}@{k}']:.4f}" for m in ("pass", "maj") for k in ks
+                                   if f"{m}@{k}" in result)
                 shown += (f" ({len(task)} problems, {result['truncated']} truncated and {result['errors']} verifier "
                           "errors among the samples)")
             print0(f"{label}: {shown} | {time.time() - t0:.1f}s")

@@ -251,7 +251,10 @@ class GPT(nn.Module):
         return loss.view(B, T) if loss_reduction == "none" else loss
 
     def hidden(self, idx, kv_cache=None):
-        """The final normalised hidden states (B, T, C) of idx (B, T): what lm_head reads. See forward for kv_cache."""
+        """
+        The final normalised hidden states (B, T, C) of idx (B, T): what lm_head reads, and ScalarHeadModel's head
+        too. See forward for kv_cache.
+        """
         B, T = idx.size()
         if kv_cache is None:
             if T > self.rotary_len:
@@ -348,6 +351,44 @@ def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS
     terms = {name: int(value) for name, value in terms.items()}
     terms["total"] = sum(terms.values())
     return terms
+
+# -----------------------------------------------------------------------------
+# A GPT trunk with a scalar head: the reward model (rm.py, read at the answer's last token) and PPO's critic
+# (rl.py --advantage gae, read at every token)
+
+
+class ScalarHeadModel(nn.Module):
+    """
+    s_t = w . h_t + b, where h_t = gpt.hidden(idx)[:, t] is the normalised final hidden state after token t.
+    The GPT keeps its lm_head (unused here, so it gets no gradient and AdamW leaves it alone): the checkpoint is
+    then a plain GPT state dict plus `head.*`, and merge.py averages reward models like any other checkpoint.
+    The head starts at zero: every score is 0 until training moves it (a critic's neutral first guess).
+    """
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+        self.head = nn.Linear(gpt.config.n_embd, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @property
+    def config(self):
+        return self.gpt.config
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx):
+        """idx (B, T) -> scores (B, T) float32: the head read after every token."""
+        return self.head(self.gpt.hidden(idx)).squeeze(-1).float()
+
+    def setup_optimizers(self, matrix_lr, embedding_lr, unembedding_lr, weight_decay=0.0):
+        """The trunk's [AdamW, Muon] (GPT.setup_optimizers), with the head in the AdamW at lm_head's learning rate."""
+        adamw, muon = self.gpt.setup_optimizers(matrix_lr, embedding_lr, unembedding_lr, weight_decay)
+        lr = adamw.param_groups[0]["lr"]  # lm_head's, already width-scaled: the head is a 1-row lm_head
+        adamw.add_param_group(dict(params=list(self.head.parameters()), lr=lr, initial_lr=lr))
+        return [adamw, muon]
 
 
 # -----------------------------------------------------------------------------

@@ -6,6 +6,16 @@ Reinforcement learning from verifiable rewards: the GRPO family, one loop, every
     torchrun --nproc_per_node=8 rl.py --preset full             # one node, 8 GPUs
     torchrun --nnodes=2 --nproc_per_node=8 --node-rank=0 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
              rl.py --preset full                                # two nodes (node-rank 1 on the other)
+    python rl.py --preset tiny --ckpt CK/sft --out CK/rlhf --reward rm --rm-ckpt CK/rm   # RL from a reward model
+    python rl.py --preset tiny --ckpt CK/sft --out CK/ppo --advantage gae                # PPO with a critic and GAE
+    torchrun --nproc_per_node=8 rl.py --preset full --task ultrafeedback --reward rm --rm-ckpt CK/rm --out CK/rlhf
+
+Two switches leave the GRPO loop for the older RLHF recipe (Ziegler et al. 2019; Ouyang et al. 2022):
+    --reward rm     each completion is scored by a reward model of rm.py (normalize_scores: z-scored per step); the
+                    KL penalty to the reference is then on by default (0.05). The verifier still measures: reward
+                    accuracy and held-out pass@1 are logged next to the reward model's score.
+    --advantage gae a critic (the policy's trunk with a scalar head, own optimizers) and generalized advantage
+                    estimation over per-token rewards (token_rewards, gae, value_loss) replace group advantages.
 
 Each step, on every rank (ranks hold different prompts; a group never spans ranks):
     1. rollout   draw prompts; Engine.generate samples G completions of each (one prefill per prompt, all rows decoded
@@ -55,8 +65,8 @@ from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute
                     run_cli, save_checkpoint, synchronize)
 from engine import Engine, sampling_logprobs
 from eval import completion_text, evaluate_generative
-from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
-from tasks import GSM8K, SyntheticTask, collate, completion_reward, token_budget_batches
+from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
+from tasks import GSM8K, SyntheticTask, UltraFeedbackPrompts, collate, completion_reward, pad_sequences, token_budget_batches
 
 PRESETS = {
     # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
@@ -293,6 +303,93 @@ def mismatch_weights(trainer_logp, engine_logp, mode="tis", cap=2.0, window=(0.5
 
 
 # -----------------------------------------------------------------------------
+# PPO with a critic (--advantage gae): per-token rewards, GAE, the clipped value loss; and the reward model's scores
+
+
+def token_rewards(scores, kl, mask, kl_coef):
+    """
+    Per-token rewards (B, T) of PPO for language models (Ziegler et al. 2019; Stiennon et al. 2020; OpenRLHF's
+    compute_reward): the KL penalty on every valid token, the sequence's score on its last valid token,
+
+        r_t = -kl_coef * kl_t                  for every t with mask_t = 1
+        r_T = -kl_coef * kl_T + score          T = the last t with mask_t = 1 (the answer's <|assistant_end|>)
+
+    scores (B,); kl (B, T) a per-token KL estimate, e.g. k1 = old_logp - ref_logp (detached: the penalty is part of
+    the reward, not a loss); mask (B, T). A row with no valid token gets no reward.
+    """
+    mask = mask.float()
+    rewards = -kl_coef * kl * mask  # (B, T)
+    positions = torch.arange(1, mask.size(1) + 1, device=mask.device)
+    last = (mask * positions).argmax(-1)  # (B,) index of the last valid token (0 for an empty row)
+    rewards[torch.arange(mask.size(0), device=mask.device), last] += scores * (mask.sum(-1) > 0)
+    return rewards
+
+
+def gae(rewards, values, mask, gamma=1.0, lam=0.95):
+    """
+    Generalized advantage estimation (Schulman et al. 2016, eqs. 11-16), backwards over each row's valid tokens:
+
+        delta_t = r_t + gamma V(s_{t+1}) - V(s_t),     A_t = delta_t + gamma lam A_{t+1},     R_t = A_t + V(s_t)
+
+    rewards, values, mask: (B, T); values[:, t] = V(s_t), the critic's estimate before token t is chosen. s_{t+1} is
+    the state of the next *valid* token: positions with mask 0 (prompt, forced tool output, padding) are not actions,
+    so they are skipped and the value is bootstrapped across them; after a row's last valid token V = 0 (the episode
+    ends). Rewards at mask-0 positions are ignored. gamma = lam = 1 with V = 0 gives A_t = the reward-to-go.
+    Returns (advantages, returns), (B, T), 0 where mask is 0.
+    """
+    valid = mask > 0
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    next_value = torch.zeros(rewards.size(0), device=rewards.device)  # V(s_{t+1}) of the next valid token
+    next_advantage = torch.zeros_like(next_value)  # A_{t+1}
+    for t in reversed(range(rewards.size(1))):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(valid[:, t], advantage, 0.0)
+        next_value = torch.where(valid[:, t], values[:, t].float(), next_value)
+        next_advantage = torch.where(valid[:, t], advantage, next_advantage)
+    returns = (advantages + values) * valid
+    return advantages, returns
+
+
+def value_loss(values, old_values, returns, mask, clip_eps=0.2, count=None):
+    """
+    PPO's clipped value loss (OpenAI baselines ppo2; OpenRLHF's ValueLoss), per token:
+
+        V_clip = V_old + clip(V - V_old, -clip_eps, clip_eps),     l_t = 0.5 max((V_clip - R_t)^2, (V - R_t)^2)
+
+    so a value step cannot profit from moving V further than clip_eps from where the rollout's critic had it.
+    values (B, T) with gradient; old_values, returns (B, T) detached. Token-mean over mask (N_tokens = `count`
+    when the batch is split into micro-batches, as in aggregate). Returns (loss, fraction of valid tokens whose
+    clipped term is the larger one, i.e. the token gets no gradient).
+    """
+    clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    unclipped_sq, clipped_sq = (values - returns).square(), (clipped - returns).square()
+    loss = aggregate(0.5 * torch.maximum(unclipped_sq, clipped_sq), mask, "token-mean", count=count)
+    valid = mask > 0
+    clip_frac = float(((clipped_sq > unclipped_sq) & valid).sum()) / max(int(valid.sum()), 1)
+    return loss, clip_frac
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var[R - V] / Var[R] over valid tokens: 1 is a perfect critic, 0 one no better than a constant."""
+    valid = mask > 0
+    v, r = values[valid].float(), returns[valid].float()
+    if r.numel() < 2:
+        return float("nan")
+    return float(1 - (r - v).var() / r.var().clamp(min=1e-8))
+
+
+def normalize_scores(scores, eps=1e-6):
+    """
+    Per-batch normalisation of reward-model scores (N,): z = (s - mean(s)) / (std(s) + eps), population std, over
+    the step's completions (rl.py passes each rank's own). A reward model's scale and offset are arbitrary (only
+    differences are trained); fixing them per batch keeps the KL coefficient and the critic's targets on one scale.
+    (GRPO's std-scaled group advantages are unchanged by it; the KL term's weight relative to the reward is not.)
+    """
+    return (scores - scores.mean()) / (scores.std(unbiased=False) + eps)
+
+
+# -----------------------------------------------------------------------------
 # Rollouts
 
 
@@ -383,20 +480,22 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
 # The learner's view of a rollout
 
 
-def learner_rows(groups, group_size, adv_scale, adv_baseline, mask_truncated):
+def learner_rows(groups, group_size, adv_scale, adv_baseline, mask_truncated, raw_rewards=False):
     """
     One row per completion: (ids, mask, behavior_logprobs, advantage), ids = prompt + completion tokens exactly as
     sampled, mask 0 on the prompt and on forced tool output (and on the whole completion if it hit max_tokens and
     mask_truncated is set), behavior_logprobs the engine's log-prob of each token (0 on the prompt).
     A completion the verifier failed on (group["errors"], optional) is dropped from training: mask 0, advantage 0,
     and its group's baseline and std are those of the others (group_advantages' valid).
+    raw_rewards: the last element is the completion's reward instead (--advantage gae turns it into per-token ones).
     """
     if not groups:
         return []
     rewards = torch.tensor([r for g in groups for r in g["rewards"]])
     errors = [error for g in groups for error in g.get("errors", [False] * len(g["rewards"]))]
-    advantages = group_advantages(rewards, group_size, scale=adv_scale, baseline=adv_baseline,
-                                  valid=~torch.tensor(errors, dtype=torch.bool)).tolist()
+    advantages = rewards.tolist() if raw_rewards else group_advantages(
+        rewards, group_size, scale=adv_scale, baseline=adv_baseline,
+        valid=~torch.tensor(errors, dtype=torch.bool)).tolist()
     rows = []
     for g, group in enumerate(groups):
         for j, completion in enumerate(group["completions"]):
@@ -447,6 +546,23 @@ def token_logprobs(model, inputs, targets, sampling):
         return model.chunked_logits(model.hidden(inputs), score, targets)
 
 
+@torch.no_grad()
+def reward_model_scores(reward_model, groups, pad_id, device, batch_tokens):
+    """
+    The reward model's raw score of every completion of `groups` (prompt + completion tokens, as sampled), read at
+    the completion's last token (its <|assistant_end|>, or where max_tokens cut it), in group order: (N,) float.
+    Scored in micro-batches of at most batch_tokens padded positions (tasks.token_budget_batches).
+    """
+    sequences = [group["prompt"] + completion.tokens for group in groups for completion in group["completions"]]
+    scores = torch.zeros(len(sequences), device=device)
+    for batch in token_budget_batches([[len(s)] for s in sequences], batch_tokens)[0]:
+        ids, lengths = pad_sequences([sequences[i] for i in batch], pad_id)
+        with autocast_ctx(device):
+            values = reward_model(ids.to(device))  # (B, T)
+        scores[batch] = values.gather(1, (lengths.to(device) - 1)[:, None]).squeeze(1).float()
+    return scores
+
+
 def all_reduce_gradients(model):
     """
     Sum gradients over ranks. Not DistributedDataParallel: dynamic sampling leaves ranks with different numbers
@@ -480,7 +596,9 @@ def load_task(name, split, size):
         return SyntheticTask(split, size=size, seed=0)
     if name == "gsm8k":
         return GSM8K(split, size=size)
-    raise ValueError(f"unknown task {name!r}; expected 'synthetic' or 'gsm8k'")
+    if name == "ultrafeedback":  # prompts only, no verifier: for --reward rm
+        return UltraFeedbackPrompts("train_prefs" if split == "train" else "test_prefs", size=size)
+    raise ValueError(f"unknown task {name!r}; expected 'synthetic', 'gsm8k' or 'ultrafeedback'")
 
 
 # -----------------------------------------------------------------------------
@@ -498,7 +616,9 @@ def parse_args(argv=None):
     add("--out", default=None, help="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)")
     add("--resume", action="store_true", help="continue from the latest checkpoint in --out; exit if it is finished")
     # data and rollouts
-    add("--task", choices=["synthetic", "gsm8k"], help="training prompts and verifier; its held-out split is evaluated")
+    add("--task", choices=["synthetic", "gsm8k", "ultrafeedback"],
+        help="training prompts and verifier; its held-out split is evaluated (ultrafeedback: prompts with no "
+             "verifier, for --reward rm)")
     add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
     add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
     add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
@@ -527,15 +647,32 @@ def parse_args(argv=None):
         help="cap the loss of negative-advantage tokens at -c A, c > 1 (e.g. 3; ppo and gspo)")
     add("--loss-agg", choices=AGGREGATIONS, default=None,
         help="how token losses are averaged (default per --loss: token-mean, gspo seq-mean-token-mean)")
-    add("--kl-coef", type=float, default=0.0,
+    add("--kl-coef", type=float, default=None,
         help="KL(pi || pi_ref) penalty weight, on the untruncated temperature-scaled distributions even with "
-             "--top-k/--top-p (reference_sampling); 0 loads no reference model")
+             "--top-k/--top-p (reference_sampling); 0 loads no reference model (default: 0, or 0.05 with --reward rm: "
+             "a learned reward can be exploited, a verifier cannot)")
     add("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see kl_penalty)")
     add("--mismatch", choices=["none", "tis", "mask"], default="tis",
         help="engine/trainer log-prob mismatch correction (see mismatch_weights)")
     add("--tis-cap", type=float, default=2.0, help="truncation of the importance weight (--mismatch tis)")
     add("--mask-window", type=float, nargs=2, default=(0.5, 2.0), metavar=("LOW", "HIGH"),
         help="drop tokens whose trainer/engine probability ratio leaves [LOW, HIGH] (--mismatch mask)")
+    add("--kl-placement", choices=["loss", "reward"], default=None,
+        help="loss: kl_coef * KL(kl-kind) added to the policy loss (GRPO); reward: -kl_coef * (logp - ref_logp) on "
+             "every token's reward (PPO-RLHF, token_rewards; needs --advantage gae). Default: reward with gae, else loss")
+    # reward model and critic
+    add("--reward", choices=["verifier", "rm"], default="verifier",
+        help="verifier: the task's exact check; rm: the --rm-ckpt reward model's score of each completion, normalised "
+             "per batch (normalize_scores); the verifier then only measures (reward/accuracy, held-out pass@1)")
+    add("--rm-ckpt", default=None, help="reward model checkpoint of rm.py (--reward rm)")
+    add("--advantage", choices=["group", "gae"], default="group",
+        help="group: group_advantages (GRPO/RLOO); gae: PPO with a critic (a copy of the policy trunk with a scalar "
+             "head), per-token rewards and generalized advantage estimation, advantages whitened per batch")
+    add("--gamma", type=float, default=1.0, help="discount of GAE (--advantage gae)")
+    add("--lam", type=float, default=0.95, help="lambda of GAE (--advantage gae)")
+    add("--value-clip", type=float, default=0.2, help="the critic's clip range eps_v (see value_loss)")
+    add("--critic-lr-frac", type=float, default=None,
+        help="the critic's learning rates as a fraction of pretraining's (default: 2x --lr-frac)")
     # optimization
     add("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
     add("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
@@ -569,6 +706,18 @@ def parse_args(argv=None):
     if args.dual_clip is not None and not args.dual_clip > 1:
         raise ValueError(f"--dual-clip must be > 1 (the loss of a negative-advantage token is capped at -c A), "
                          f"got {args.dual_clip}")
+    if args.kl_coef is None:
+        args.kl_coef = 0.05 if args.reward == "rm" else 0.0
+    if args.kl_placement is None:
+        args.kl_placement = "reward" if args.advantage == "gae" else "loss"
+    if args.kl_placement == "reward" and args.advantage != "gae":
+        parser.error("--kl-placement reward needs --advantage gae (group advantages take the KL as a loss term)")
+    if args.reward == "rm" and args.rm_ckpt is None:
+        parser.error("--reward rm needs --rm-ckpt PATH (a checkpoint written by rm.py)")
+    if args.reward == "rm" and args.overlong_buffer:
+        parser.error("--overlong-buffer shapes verifier rewards; it does not apply to --reward rm")
+    if args.critic_lr_frac is None:
+        args.critic_lr_frac = 2 * args.lr_frac
     return args
 
 
@@ -593,6 +742,16 @@ def main(argv=None):
     if args.kl_coef > 0:
         ref_model, _, _ = load_model(ckpt, device)
         ref_model.requires_grad_(False)
+    reward_model = critic = None
+    if args.reward == "rm":  # frozen: scores the rollouts
+        reward_model, rm_tokenizer, rm_meta = load_model(args.rm_ckpt, device)
+        if not rm_meta.get("reward_model") or rm_tokenizer.encode("a test 123") != tokenizer.encode("a test 123") \
+                or rm_tokenizer.vocab_size != tokenizer.vocab_size:
+            raise ValueError(f"--rm-ckpt {args.rm_ckpt} is not a reward model of this policy's tokenizer; "
+                             "train one with rm.py from the same SFT checkpoint")
+        reward_model.requires_grad_(False)
+    if args.advantage == "gae":  # the critic: a copy of the policy's trunk with a zero scalar head, trained below
+        critic = ScalarHeadModel(load_model(out if resume else ckpt, device)[0]).to(device).train()
     engine = Engine(model, tokenizer)
     pad_id = tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
     print0(f"model: {model.num_params():,} parameters from {out if resume else ckpt} on {device}, {world_size} rank(s)")
@@ -606,11 +765,17 @@ def main(argv=None):
 
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    critic_optimizers = []
+    if critic is not None:
+        f = args.critic_lr_frac
+        critic_optimizers = critic.setup_optimizers(matrix_lr=MATRIX_LR * f, embedding_lr=EMBEDDING_LR * f,
+                                                    unembedding_lr=UNEMBEDDING_LR * f)
     longest_prompt = max(len(tokenizer.render_for_completion(train_task[i])) for i in range(min(64, len(train_task))))
     print0(f"plan: {args.num_steps} steps; each samples {args.prompts_per_step} x {args.group_size} completions of <= {args.max_tokens} tokens per round "
            f"(<= {args.max_sampling_rounds} rounds), then {args.epochs} epoch(s) x {args.minibatches} minibatch(es) of "
            f"optimizer steps; loss {args.loss} ({args.loss_agg}), advantages {args.adv_scale}/{args.adv_baseline}, "
-           f"KL {args.kl_coef}, mismatch {args.mismatch}; prompts up to {longest_prompt} + {args.max_tokens} tokens "
+           f"KL {args.kl_coef} ({args.kl_placement}), mismatch {args.mismatch}; reward {args.reward}, advantage "
+           f"{args.advantage}; prompts up to {longest_prompt} + {args.max_tokens} tokens "
            f"(model context {model.config.sequence_len})")
     if args.dry_run:
         print0("dry run: model, optimizers and data are built; stopping before the first rollout")
@@ -622,6 +787,10 @@ def main(argv=None):
         for optimizer, state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(state)
         start_step, history = extra["step"], extra["history"]
+        if critic is not None:
+            critic.load_state_dict(extra["critic"])
+            for optimizer, state in zip(critic_optimizers, extra["critic_optimizers"]):
+                optimizer.load_state_dict(state)
         print0(f"resuming at step {start_step}")
 
     def evaluate(step):
@@ -632,7 +801,15 @@ def main(argv=None):
         k = f"pass@{args.eval_samples}"
         record = {"step": step, "pass@1": result["pass@1"], k: result[k], "errors": result["errors"],
                   "truncated": result["truncated"]}
-        print0(f"eval step {step}: pass@1 {record['pass@1']:.4f}, {k} {record[k]:.4f}")
+        if reward_model is not None:  # the optimised reward model's view, next to the verifier's: do they part?
+            with autocast_ctx(device):
+                groups, _ = sample_groups(engine, test_task, len(eval_indices), 1, args.max_tokens, sampling,
+                                          seed=mix_seed(args.seed, "eval-rm"), filter_zero_contrast=False,
+                                          max_rounds=1)
+            record["rm_score"] = float(reward_model_scores(reward_model, groups, pad_id, device,
+                                                           args.device_batch_tokens).mean())
+        print0(f"eval step {step}: pass@1 {record['pass@1']:.4f}, {k} {record[k]:.4f}"
+               + (f", reward-model score {record['rm_score']:+.3f}" if "rm_score" in record else ""))
         return record
 
     logger = Logger(args.run, vars(args))
@@ -644,6 +821,8 @@ def main(argv=None):
         if rank != 0:
             return
         extra = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history}
+        if critic is not None:
+            extra.update(critic=critic.state_dict(), critic_optimizers=[o.state_dict() for o in critic_optimizers])
         save_checkpoint(out, step, model, {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
                                            "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=extra)
 
@@ -655,9 +834,16 @@ def main(argv=None):
         with autocast_ctx(device):
             groups, rollout = sample_groups(engine, train_task, groups_per_rank, args.group_size, args.max_tokens,
                                             sampling, seed=mix_seed(args.seed, step),
-                                            filter_zero_contrast=args.filter_zero_contrast,
+                                            filter_zero_contrast=args.filter_zero_contrast and reward_model is None,
                                             max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer,
                                             rank=rank, world_size=world_size, oversample=args.oversample)
+        rm_score_sum = 0.0
+        if reward_model is not None:  # --reward rm: the reward model's normalised scores replace the verifier's
+            raw = reward_model_scores(reward_model, groups, pad_id, device, args.device_batch_tokens)  # (N,)
+            rm_score_sum = float(raw.sum())
+            normalized = normalize_scores(raw).tolist()
+            for g, group in enumerate(groups):
+                group["rewards"] = normalized[g * args.group_size:(g + 1) * args.group_size]
         synchronize(device)
         t1 = time.time()
 
@@ -665,7 +851,8 @@ def main(argv=None):
         minibatches, positions = [], [0, 0]  # positions: (real, padded)
         for m in range(args.minibatches):
             rows = learner_rows(groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches],
-                                args.group_size, args.adv_scale, args.adv_baseline, args.mask_truncated)
+                                args.group_size, args.adv_scale, args.adv_baseline, args.mask_truncated,
+                                raw_rewards=critic is not None)
             # Sorted by length into micro-batches of <= --device-batch-tokens: less padding, same loss.
             batches, _ = token_budget_batches([[len(ids) - 1] for ids, *_ in rows], args.device_batch_tokens)
             minibatches.append([collate_rollouts([rows[i] for i in batch], pad_id, device) for batch in batches])
@@ -677,11 +864,13 @@ def main(argv=None):
         tally = {**rollout, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0, "gap_sum": 0.0,
                  "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0,
                  "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf,
-                 "ratio_max": -math.inf, "positions_real": positions[0], "positions_padded": positions[1]}
+                 "ratio_max": -math.inf, "positions_real": positions[0], "positions_padded": positions[1],
+                 "rm_score_sum": rm_score_sum, "value_loss_sum": 0.0, "value_clip_sum": 0.0}
         # (the same keys on every rank: reduced across ranks below)
         # One epoch of one minibatch updates once, after every micro-batch is scored: its ratio is exactly 1, so the
-        # learner pass's own log-probs, detached, are the old ones and this extra no-grad pass is skipped.
-        old_from_learner = args.epochs == 1 and args.minibatches == 1
+        # learner pass's own log-probs, detached, are the old ones and this extra no-grad pass is skipped (not with
+        # a critic: GAE needs the old log-probs, for the KL in the reward, before the update).
+        old_from_learner = args.epochs == 1 and args.minibatches == 1 and critic is None
 
         def score_old(micro, old_logp, entropy):
             micro["old_logp"], mask = old_logp, micro["mask"]
@@ -701,6 +890,28 @@ def main(argv=None):
                 if ref_model is not None:
                     micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"],
                                                           reference_sampling(sampling))
+                if critic is not None:  # --advantage gae: per-token rewards (score + KL) -> GAE with the critic
+                    mask = micro["mask"]
+                    with autocast_ctx(device):
+                        micro["old_values"] = critic(micro["inputs"])  # (B, T): V(s_t) before target t
+                    kl = torch.zeros_like(mask)
+                    if ref_model is not None and args.kl_placement == "reward":
+                        kl_logp = micro["old_logp"] if reference_sampling(sampling) == sampling else token_logprobs(
+                            model, micro["inputs"], micro["targets"], reference_sampling(sampling))[0]
+                        kl = kl_penalty(kl_logp, micro["ref_logp"], "k1")
+                        tally["kl_sum"] += float((kl * mask).sum())
+                    rewards = token_rewards(micro["advantages"], kl, mask, args.kl_coef)
+                    micro["advantages"], micro["returns"] = gae(rewards, micro["old_values"], mask, args.gamma,
+                                                                args.lam)
+        if critic is not None:
+            micros = [micro for mb in minibatches for micro in mb]
+            values = torch.cat([m["old_values"][m["mask"] > 0] for m in micros])
+            returns = torch.cat([m["returns"][m["mask"] > 0] for m in micros])
+            advantages = torch.cat([m["advantages"][m["mask"] > 0] for m in micros])
+            explained = explained_variance(values, returns, torch.ones_like(values))
+            mean, std = advantages.mean(), advantages.std(unbiased=False)  # PPO whitens advantages (per rank)
+            for m in micros:
+                m["advantages"] = (m["advantages"] - mean) / (std + 1e-8) * m["mask"]
         per_minibatch = torch.tensor([[sum(float(m["mask"].sum()) for m in mb),
                                        sum(float((m["mask"].sum(-1) > 0).sum()) for m in mb)] for mb in minibatches],
                                      dtype=torch.float64, device=device)  # (minibatches, 2): tokens, sequences
@@ -715,7 +926,7 @@ def main(argv=None):
                 group["lr"] = group["initial_lr"] * lr_multiplier
         optimizer_steps, grad_norms = 0, []  # the same on every rank (grad norms are taken after the all-reduce)
         for epoch in range(args.epochs):
-            for minibatch, count in zip(minibatches, counts):
+            for minibatch, count, value_count in zip(minibatches, counts, per_minibatch[:, 0].tolist()):
                 if count == 0:  # nothing to learn from on any rank (every group filtered or masked)
                     continue
                 for micro in minibatch:
@@ -727,7 +938,7 @@ def main(argv=None):
                                               agg=args.loss_agg, dual_clip=args.dual_clip, weights=micro["weights"],
                                               max_len=args.max_tokens, count=count)
                     num_tokens = float(micro["mask"].sum())
-                    if ref_model is not None:
+                    if ref_model is not None and args.kl_placement == "loss":
                         kl_logp = logp if reference_sampling(sampling) == sampling else token_logprobs(
                             model, micro["inputs"], micro["targets"], reference_sampling(sampling))[0]
                         kl = kl_penalty(kl_logp, micro["ref_logp"], args.kl_kind)  # (B, T)
@@ -735,6 +946,14 @@ def main(argv=None):
                                                                max_len=args.max_tokens, count=count)
                         tally["kl_sum"] += float((kl.detach() * micro["mask"]).sum())
                     loss.backward()
+                    if critic is not None:
+                        with autocast_ctx(device):
+                            values = critic(micro["inputs"])  # (B, T)
+                        v_loss, v_clip = value_loss(values, micro["old_values"], micro["returns"], micro["mask"],
+                                                    args.value_clip, count=value_count)
+                        v_loss.backward()
+                        tally["value_loss_sum"] += v_loss.item()
+                        tally["value_clip_sum"] += v_clip * num_tokens
                     tally["loss_sum"] += loss.item()  # summed over micro-batches and ranks: the minibatch losses
                     tally["loss_tokens"] += num_tokens
                     tally["clip_low_sum"] += stats["clip_low"] * num_tokens
@@ -749,6 +968,14 @@ def main(argv=None):
                 for optimizer in optimizers:
                     optimizer.step()
                 model.zero_grad(set_to_none=True)
+                if critic is not None:
+                    if ddp:
+                        all_reduce_gradients(critic)
+                    if args.max_grad_norm > 0:
+                        torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                    for optimizer in critic_optimizers:
+                        optimizer.step()
+                    critic.zero_grad(set_to_none=True)
                 optimizer_steps += 1
         synchronize(device)
         t2 = time.time()
@@ -781,11 +1008,23 @@ def main(argv=None):
         if grad_norms:
             metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
         if ref_model is not None:
-            metrics["policy/kl"] = tally["kl_sum"] / loss_tokens
+            metrics["policy/kl"] = tally["kl_sum"] / (loss_tokens if args.kl_placement == "loss" else tokens)
+        if reward_model is not None:
+            metrics["reward/rm_score"] = tally["rm_score_sum"] / n  # raw, before normalisation
+        if critic is not None:
+            metrics.update({"critic/value_loss": tally["value_loss_sum"] / max(optimizer_steps, 1),
+                            "critic/clip_frac": tally["value_clip_sum"] / loss_tokens,
+                            "critic/explained_variance": explained})
         logger.log(metrics, step=step + 1)
         elapsed = time.time() - t_start
         eta = elapsed / (step + 1 - start_step) * (args.num_steps - step - 1)
-        print0(f"step {step + 1}/{args.num_steps} | reward {metrics['reward/mean']:.3f} "
+        extra_line = ""
+        if reward_model is not None:
+            extra_line += f"| rm score {metrics['reward/rm_score']:+.3f} verifier acc {metrics['reward/accuracy']:.3f} "
+        if critic is not None:
+            extra_line += (f"| value loss {metrics['critic/value_loss']:.4f} "
+                           f"expl var {metrics['critic/explained_variance']:+.2f} ")
+        print0(f"step {step + 1}/{args.num_steps} | reward {metrics['reward/mean']:.3f} {extra_line}"
                f"| zero-contrast {metrics['batch/zero_contrast_frac']:.2f} kept {metrics['batch/groups_kept']:.0f} "
                f"| len {metrics['length/mean']:.1f} trunc {metrics['length/truncated_frac']:.2f} "
                f"pad {metrics['batch/padding_frac']:.0%} "
@@ -809,8 +1048,18 @@ def main(argv=None):
     save(args.num_steps, finished=True)
     before, after = history[0], history[-1]
     k = f"pass@{args.eval_samples}"
-    print0(f"held-out pass@1 {before['pass@1']:.4f} -> {after['pass@1']:.4f}, {k} {before[k]:.4f} -> {after[k]:.4f}")
-    append_report({"stage": "rl", "preset": args.preset, "task": args.task, "steps": args.num_steps, "seed": args.seed,
+    print0(f"held-out pass@1 {before['pass@1']:.4f} -> {after['pass@1']:.4f}, {k} {before[k]:.4f} -> {after[k]:.4f}"
+           + (f", reward-model score {before['rm_score']:+.3f} -> {after['rm_score']:+.3f}"
+              if reward_model is not None else ""))
+    if reward_model is not None:
+        extra_record = {"reward": "rm", "rm_score_before": before["rm_score"], "rm_score": after["rm_score"],
+                        "kl_coef": args.kl_coef}
+    else:
+        extra_record = {}
+    # Its own row of the report card: RL from the reward model (speedrun.sh --rlhf) and PPO next to GRPO's.
+    stage = "rlhf" if reward_model is not None else "ppo" if critic is not None else "rl"
+    append_report({"stage": stage, **extra_record,
+                   "preset": args.preset, "task": args.task, "steps": args.num_steps, "seed": args.seed,
                    "pass@1_before": before["pass@1"], "pass@1": after["pass@1"],
                    f"{k}_before": before[k], k: after[k], "eval_problems": len(eval_indices),
                    "truncated": after.get("truncated"), "verifier_errors": after["errors"],

@@ -35,7 +35,6 @@ import time
 import traceback
 import uuid
 from collections import deque
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 

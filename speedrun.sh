@@ -5,6 +5,7 @@
 #                                 # GPUs:   the full preset with torchrun on every GPU (~4 hours on 8xH100)
 #   WANDB_RUN=name bash speedrun.sh   # also log every stage to Weights & Biases
 #   NANOPOST_HOME=/path bash speedrun.sh   # where tokenizer, checkpoints and report go (default ~/.cache/nanopost)
+#   bash speedrun.sh --rlhf       # tiny preset: SFT -> reward model (rm.py) -> RL from the reward model, + report rows
 #
 # Re-running after an interruption skips the stages that finished and resumes the one that was interrupted:
 # every stage gets --resume, which continues from the stage's newest whole checkpoint (one that fails its checksums
@@ -37,6 +38,27 @@ if [ "${1:-}" = "--dry-run" ]; then
   python dpo.py --preset full --dry-run --device cpu --ckpt "$BASE"
   python rl.py --preset full --dry-run --device cpu --ckpt "$BASE"
   echo "speedrun --dry-run: every stage of the full preset built its model and data pipeline"
+  exit 0
+fi
+
+if [ "${1:-}" = "--rlhf" ]; then
+  # The second path, for tasks no verifier can check: SFT -> reward model -> RL from the reward model's scores, on
+  # the tiny preset (CPU). The verifier of the synthetic task is kept as the held-out judge only, next to the reward
+  # model's score, so over-optimisation shows. Reuses finished tokenizer/base/SFT stages (each gets --resume).
+  export NANOPOST_HOME="${NANOPOST_HOME:-$HOME/.cache/nanopost}"
+  CK="$NANOPOST_HOME/checkpoints"
+  [ -f "$NANOPOST_HOME/tokenizer/tokenizer.json" ] || python tokenizer.py --preset tiny
+  python pretrain.py --preset tiny --resume
+  python sft.py --preset tiny --resume
+  python rm.py --preset tiny --resume
+  # 12 steps of 8 prompts x 8 samples: enough for the reward model's score to rise well past where the verifier's
+  # accuracy follows it (README: "RL from a reward model"), and short enough for the 15-minute budget.
+  python rl.py --preset tiny --resume --ckpt "$CK/sft" --out "$CK/rlhf" --reward rm --rm-ckpt "$CK/rm" \
+    --num-steps 12 --eval-every 12 --prompts-per-step 8 --eval-problems 128 --eval-samples 4 --lr-frac 0.25
+  for STAGE in sft rlhf; do
+    python eval.py --preset tiny --stage "$STAGE" --num-samples 4 --k 1,4 --tasks synthetic --max-problems 128
+  done
+  echo "speedrun --rlhf: done. Report card: $NANOPOST_HOME/report.md"
   exit 0
 fi
 

@@ -246,6 +246,18 @@ class SyntheticTask:
 # Batching rendered sequences
 
 
+def pad_sequences(seqs, pad_id):
+    """
+    (ids (B, T) right-padded with pad_id, lengths (B,)) of token lists, not shifted: what a scalar-head model
+    (reward model, critic) reads, its score at position lengths[b] - 1.
+    """
+    lengths = torch.tensor([len(s) for s in seqs])
+    ids = torch.full((len(seqs), int(lengths.max())), pad_id, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)] = torch.tensor(s)
+    return ids, lengths
+
+
 def collate(rows, pad_id):
     """
     Right-pad rendered sequences into next-token-prediction tensors. `rows` is a list of (ids, mask) as from
@@ -529,6 +541,26 @@ class UltraFeedback:
         return preference_pair(self.rows[i]["chosen"], self.rows[i]["rejected"])
 
 
+class UltraFeedbackPrompts:
+    """
+    The prompts of UltraFeedback-binarized, for RL from a reward model (rl.py --reward rm --task ultrafeedback).
+    task[i] is the chosen conversation (render_for_completion drops its final answer). There is no verifier:
+    reward() is 0, so pass@1 means nothing here and the reward model's score is the only measure.
+    """
+
+    def __init__(self, split="train_prefs", local=None, size=None):
+        self.pairs = UltraFeedback(split, local=local, size=size)
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i):
+        return self.pairs[i]["chosen"]
+
+    def reward(self, conversation, completion):
+        return 0.0
+
+
 LETTERS = "ABCDEFGHIJ"
 
 
@@ -703,6 +735,33 @@ def prepare_rows(mixture, render, positions):
 
 # -----------------------------------------------------------------------------
 # Packing pretraining text into (B, T) rows
+
+
+def render_pair(tokenizer, pair, max_seq_len):
+    """
+    A {"chosen", "rejected"} pair of conversations as ((chosen_ids, chosen_mask), (rejected_ids, rejected_mask)).
+    Both must render the same prompt (every token before the last <|assistant_start|>); the masks keep the
+    renderer's 1s of the final answer only, so earlier assistant turns (part of the prompt) are not scored.
+    Raises ValueError for different prompts, RowTooLong when a side exceeds max_seq_len tokens.
+    """
+    prompt = tokenizer.render_for_completion(pair["chosen"])
+    if tokenizer.render_for_completion(pair["rejected"]) != prompt:
+        raise ValueError("chosen and rejected render different prompts")
+    sides = []
+    for side in ("chosen", "rejected"):
+        ids, mask = tokenizer.render_conversation(pair[side])
+        if len(ids) > max_seq_len:
+            raise RowTooLong(f"{side} answer makes {len(ids)} tokens, more than --max-seq-len {max_seq_len}")
+        sides.append((ids, [0] * len(prompt) + mask[len(prompt):]))
+    return tuple(sides)
+
+
+def preference_mixture(source, split, size, seed):
+    """The preference data of a static --pairs source, in one place: UltraFeedback-binarized or the synthetic pairs."""
+    if source == "ultrafeedback":
+        return TaskMixture([("ultrafeedback", UltraFeedback("train_prefs" if split == "train" else "test_prefs",
+                                                            size=size), None)], seed=seed)
+    return TaskMixture([("synthetic", SyntheticPreferences(split, size or 1000, seed), None)], seed=seed)
 
 
 def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_size=1, start=(0, 0), encode_batch=256):

@@ -1,0 +1,255 @@
+"""
+The reward model: the SFT model's trunk with a scalar head, trained on preference pairs with the Bradley–Terry loss.
+It scores answers no verifier can check; rl.py --reward rm optimises a policy against it.
+
+    python rm.py --preset tiny                        # CPU, minutes: SFT answers to synthetic problems, verifier-labelled
+    torchrun --nproc_per_node=8 rm.py --preset full   # UltraFeedback-binarized preference pairs
+
+The score r(x, y) is the head w . h + b read at the answer's last token, <|assistant_end|>: the one position whose
+hidden state has seen the prompt and the whole answer (model.ScalarHeadModel, the same head as PPO's critic).
+Bradley–Terry (1952) models a preference as P(y_w > y_l | x) = sigma(r(x, y_w) - r(x, y_l)); its negative
+log-likelihood is the loss (InstructGPT, Ouyang et al. 2022, eq. 1), plus TRL's centring term (reward_model_loss).
+
+Data. tiny: the SFT model samples --samples answers to each synthetic problem, the task's verifier labels them, and
+one correct answer is paired with one incorrect answer of the same prompt (eval.self_generated_pairs, as dpo.py's
+on-policy pairs): the reward model learns to tell right from wrong on the very answers RL will ask it to score.
+full: UltraFeedback-binarized (chosen = highest-rated answer, rejected = a lower-rated one). --pairs synthetic uses
+the static synthetic pairs (reference answer vs. one scripted mistake) instead.
+
+Logged on held-out pairs: pair accuracy (r_w > r_l), mean margin r_w - r_l, mean score (r_w + r_l) / 2 (the centring
+term keeps it near 0). The checkpoint's meta has reward_model: true, so common.load_model rebuilds a ScalarHeadModel.
+"""
+
+import argparse
+import time
+from collections import Counter
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import common
+from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
+from engine import Engine
+from eval import self_generated_pairs
+from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
+from tasks import GSM8K, SyntheticTask, pad_sequences, preference_mixture, prepare_rows, render_pair
+
+PRESETS = {
+    # tiny: 512 synthetic problems x 4 SFT samples -> a few hundred verifier-labelled pairs; 3 epochs of 32-pair steps.
+    "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=512, eval_pairs=192, samples=4,
+                 max_new_tokens=48, lr_frac=0.1, head_lr_mult=10.0, batch_size=32, device_batch_size=32, epochs=3,
+                 eval_every=20),
+    # full: one epoch of UltraFeedback-binarized train_prefs (61k pairs).
+    "full": dict(pairs="ultrafeedback", task="gsm8k", train_pairs=None, eval_pairs=1000, samples=8,
+                 max_new_tokens=512, lr_frac=0.02, head_lr_mult=10.0, batch_size=128, device_batch_size=8, epochs=1,
+                 eval_every=100),
+}
+
+
+def reward_model_loss(chosen, rejected, center_coef=1e-2):
+    """
+    Per-pair reward-model losses (B,) from the scores of the chosen and rejected answers, (B,) each:
+
+        l = -log sigma(r_chosen - r_rejected) + center_coef * (r_chosen + r_rejected)^2
+
+    The first term is the Bradley–Terry negative log-likelihood; it depends on the difference only, so the scores
+    are free to drift as a whole and a score means nothing across batches. The second term (TRL's
+    center_rewards_coefficient, from Eisenstein et al. 2023, "Helping or herding?") pins their sum near 0.
+    Swapping a pair raises its loss by exactly its margin: softplus(m) - softplus(-m) = m.
+    """
+    return -F.logsigmoid(chosen - rejected) + center_coef * (chosen + rejected).square()
+
+
+def pair_scores(model, pairs, pad_id, device):
+    """
+    (chosen, rejected) scores, (B,) each, of B pairs ((chosen_ids, mask), (rejected_ids, mask)): the head read at
+    each side's last token. `model` is a ScalarHeadModel, or its DDP wrapper (whose forward runs the gradient hooks).
+    """
+    ids, lengths = pad_sequences([chosen for (chosen, _), _ in pairs] + [rejected for _, (rejected, _) in pairs],
+                                 pad_id)
+    with autocast_ctx(device):
+        scores = model(ids.to(device))  # (2B, T)
+    scores = scores.gather(1, (lengths.to(device) - 1)[:, None]).squeeze(1)  # (2B,)
+    return scores[:len(pairs)], scores[len(pairs):]
+
+
+@torch.no_grad()
+def evaluate_pairs(model, pairs, batch_size, center_coef, pad_id, device):
+    """Held-out loss, pair accuracy, mean margin and mean score over every rank's pairs."""
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, correct, margin, score, pairs
+    for i in range(0, len(pairs), batch_size):
+        chosen, rejected = pair_scores(model, pairs[i:i + batch_size], pad_id, device)
+        sums += torch.stack([reward_model_loss(chosen, rejected, center_coef).sum(), (chosen > rejected).sum(),
+                             (chosen - rejected).sum(), ((chosen + rejected) / 2).sum(),
+                             torch.tensor(float(len(chosen)), device=device)]).double()
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    n = max(float(sums[4]), 1.0)
+    return {"loss": float(sums[0]) / n, "accuracy": float(sums[1]) / n, "margin": float(sums[2]) / n,
+            "score": float(sums[3]) / n}
+
+
+def build_pairs(args, model, tokenizer, split, max_seq_len):
+    """This rank's pairs of `split` as ((ids, mask), (ids, mask)), and counts of what happened to the rows of all ranks."""
+    _, rank, _, world_size = common.get_dist_info()
+    size = args.train_pairs if split == "train" else args.eval_pairs
+    if args.pairs == "self-generated":
+        task = SyntheticTask(split, size=size or 1000, seed=args.seed) if args.task == "synthetic" \
+            else GSM8K(split, size=size)
+        engine = Engine(model.gpt, tokenizer)
+        with autocast_ctx(model.head.weight.device):
+            pairs, counts = self_generated_pairs(engine, task, list(range(rank, len(task), world_size)), args.samples,
+                                                 args.max_new_tokens, temperature=1.0,
+                                                 seed=args.seed + 1_000_003 * rank + (split == "test"))
+        kept = [pair for pair in pairs if max(len(pair[0][0]), len(pair[1][0])) <= max_seq_len]
+        counts["too long"], counts["paired"] = len(pairs) - len(kept), len(kept)
+        pairs = kept
+    else:
+        mixture = preference_mixture(args.pairs, split, size, args.seed)
+        pairs, skipped = prepare_rows(mixture, partial(render_pair, tokenizer, max_seq_len=max_seq_len),
+                                      range(rank, len(mixture), world_size))
+        counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
+        counts["paired"] = len(pairs)
+    shares = [(counts, len(pairs))]
+    if dist.is_initialized():
+        shares = [None] * world_size
+        dist.all_gather_object(shares, (counts, len(pairs)))
+    return pairs, sum((c for c, _ in shares), Counter()), min(n for _, n in shares)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Train a Bradley-Terry reward model on the SFT model's trunk.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    add = parser.add_argument
+    add("--preset", choices=sorted(PRESETS), default="tiny", help="defaults for the flags below; explicit flags win")
+    add("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
+    add("--seed", type=int, default=0, help="data order and sampling seed")
+    add("--run", default="dummy", help="wandb run name ('dummy': no logging)")
+    add("--ckpt", default=None, help="SFT checkpoint whose trunk starts the reward model (default: checkpoints/sft)")
+    add("--out", default=None, help="output folder (default: $NANOPOST_HOME/checkpoints/rm)")
+    add("--resume", action="store_true", help="exit at once if --out already holds a finished reward model")
+    add("--pairs", choices=["self-generated", "synthetic", "ultrafeedback"],
+        help="self-generated: SFT samples labelled by --task's verifier; synthetic: reference vs. scripted mistake; "
+             "ultrafeedback: UltraFeedback-binarized")
+    add("--task", choices=["synthetic", "gsm8k"], help="verifiable task of --pairs self-generated")
+    add("--train-pairs", type=int, help="problems (self-generated) or pairs (static sources) to train on")
+    add("--eval-pairs", type=int, help="held-out problems or pairs")
+    add("--samples", type=int, help="answers sampled per problem for self-generated pairs")
+    add("--max-new-tokens", type=int, help="longest sampled answer (self-generated pairs)")
+    add("--max-seq-len", type=int, default=None, help="longest pair side in tokens (default: the model's context)")
+    add("--center-coef", type=float, default=1e-2,
+        help="weight c of the centring term c (r_chosen + r_rejected)^2 (TRL's default 1e-2; 0 turns it off)")
+    add("--lr-frac", type=float, help="trunk learning rates as a fraction of pretraining's (Muon + AdamW)")
+    add("--head-lr-mult", type=float,
+        help="the scalar head's learning rate as a multiple of the (scaled) lm_head rate: it starts at zero and "
+             "has to travel further than the trunk")
+    add("--batch-size", type=int, help="pairs per optimizer step, all ranks")
+    add("--device-batch-size", type=int, help="pairs per forward/backward on each rank")
+    add("--epochs", type=int, help="passes over the training pairs")
+    add("--eval-every", type=int, help="held-out evaluation every N steps (and before and after)")
+    add("--dry-run", action="store_true", help="build model, pairs and optimizers, print the plan and stop")
+    args = parser.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+    stage_start = time.time()
+    ddp, rank, local_rank, world_size, device = compute_init(args.device, args.seed)
+    out_dir = args.out or common.checkpoint_dir("rm")
+    if args.resume and common.has_checkpoint(out_dir) and common.load_checkpoint(out_dir)[1].get("finished"):
+        print0(f"rm already finished ({out_dir}); nothing to do")
+        compute_cleanup()
+        return
+    gpt, tokenizer, sft_meta = common.load_model(args.ckpt or common.checkpoint_dir("sft"), device)
+    model = ScalarHeadModel(gpt).to(device)
+    max_seq_len = args.max_seq_len or gpt.config.sequence_len
+    pad_id = tokenizer.bos_id  # any id: padding comes after each row's last token, which causal attention never sees
+    print0(f"reward model: {model.num_params():,} parameters (SFT trunk + scalar head); pairs: {args.pairs}; "
+           f"centring coefficient {args.center_coef}")
+
+    t0 = time.time()
+    train_pairs, train_counts, min_pairs = build_pairs(args, model, tokenizer, "train", max_seq_len)
+    eval_pairs, eval_counts, _ = build_pairs(args, model, tokenizer, "test", max_seq_len)
+    print0(f"pairs ({time.time() - t0:.0f}s): train {dict(train_counts)} | held-out {dict(eval_counts)}")
+    if args.batch_size % (args.device_batch_size * world_size):
+        raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --device-batch-size "
+                         f"{args.device_batch_size} x {world_size} ranks")
+    pairs_per_rank = args.batch_size // world_size
+    num_steps = args.epochs * min_pairs // pairs_per_rank  # every rank takes the same number of steps
+    if num_steps < 1:
+        raise ValueError(f"{min_pairs} training pairs per rank are fewer than one step's {pairs_per_rank}; "
+                         "use more data (--train-pairs, --samples) or a smaller --batch-size")
+
+    optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
+                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    head_group = optimizers[0].param_groups[-1]  # ScalarHeadModel.setup_optimizers appends the head last
+    head_group["lr"] = head_group["initial_lr"] = head_group["initial_lr"] * args.head_lr_mult
+    print0(f"plan: {num_steps} steps of {args.batch_size} pairs over {min_pairs * world_size} pairs "
+           f"({args.epochs} epoch(s)), lr-frac {args.lr_frac}, head lr {head_group['lr']:.2e}, linear decay to 0")
+    if args.dry_run:
+        print0("dry run: model, pairs and optimizers are built; stopping before training")
+        compute_cleanup()
+        return
+
+    evaluate = partial(evaluate_pairs, model, eval_pairs, args.device_batch_size, args.center_coef, pad_id, device)
+    history = [{"step": 0, **evaluate()}]
+    print0(f"step 0: held-out accuracy {history[0]['accuracy']:.1%} (the zero head ties every pair)")
+    learner = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp \
+        else model
+    logger = common.Logger(args.run, vars(args))
+    micro_steps = pairs_per_rank // args.device_batch_size
+    order = torch.randperm(len(train_pairs), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    t0 = time.time()
+    for step in range(num_steps):
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * (1.0 - step / num_steps)
+        stats = torch.zeros(2, device=device)  # loss, correct
+        for m in range(micro_steps):
+            start = step * pairs_per_rank + m * args.device_batch_size
+            pairs = [train_pairs[order[(start + i) % len(order)]] for i in range(args.device_batch_size)]
+            # DDP all-reduces on the micro-batch that calls backward outside no_sync: the step's last.
+            sync = learner.no_sync() if ddp and m < micro_steps - 1 else torch.enable_grad()
+            with sync:
+                chosen, rejected = pair_scores(learner, pairs, pad_id, device)
+                losses = reward_model_loss(chosen, rejected, args.center_coef)
+                (losses.mean() / micro_steps).backward()
+            stats += torch.stack([losses.detach().sum(), (chosen > rejected).sum().float()])
+        for optimizer in optimizers:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+        if ddp:
+            dist.all_reduce(stats)
+        log = {"train/loss": float(stats[0]) / args.batch_size, "train/accuracy": float(stats[1]) / args.batch_size}
+        line = f"step {step + 1:4d}/{num_steps} | loss {log['train/loss']:.4f} | acc {log['train/accuracy']:.0%}"
+        if (step + 1) % args.eval_every == 0 or step + 1 == num_steps:
+            history.append({"step": step + 1, **evaluate()})
+            log.update({f"val/{k}": v for k, v in history[-1].items() if k != "step"})
+            line += (f" | val loss {log['val/loss']:.4f} acc {log['val/accuracy']:.1%} "
+                     f"margin {log['val/margin']:+.3f} score {log['val/score']:+.3f}")
+        print0(line + f" | eta {format_eta((time.time() - t0) / (step + 1) * (num_steps - step - 1))}")
+        logger.log(log, step + 1)
+
+    before, after = history[0], history[-1]
+    print0(f"held-out pair accuracy {before['accuracy']:.1%} -> {after['accuracy']:.1%}, margin "
+           f"{after['margin']:+.3f}, mean score {after['score']:+.3f} ({eval_counts['paired']} held-out pairs)")
+    logger.finish()
+    if rank == 0:
+        meta = {"stage": "rm", "reward_model": True, "finished": True, "preset": args.preset, "args": vars(args),
+                "metrics": after, "sft_step": sft_meta.get("step")}
+        print0(f"saved {common.save_checkpoint(out_dir, num_steps, model, meta, tokenizer=tokenizer)}")
+    common.append_report({"stage": "rm", "preset": args.preset, "pairs": args.pairs, "steps": num_steps,
+                          "train_pairs": min_pairs * world_size, "eval_pairs": eval_counts["paired"],
+                          "center_coef": args.center_coef, "pair_accuracy": after["accuracy"],
+                          "margin": after["margin"], "mean_score": after["score"], "loss": after["loss"],
+                          "curve": {"step": [h["step"] for h in history],
+                                    "val_accuracy": [h["accuracy"] for h in history]},
+                          "seconds": time.time() - stage_start})
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    main()
