@@ -10,7 +10,15 @@ whose mask is 1 (assistant text, tool calls, <|assistant_end|>), nothing else. C
 right-padded (tasks.collate): none is ever cut, and one longer than --max-seq-len is skipped and counted instead.
 The loss of an optimizer step is the mean over every trained token of the step, across micro-batches and ranks
 (see backward_sft_loss). At the end it measures held-out loss and whether the model answers held-out synthetic
-problems in format (a single '#### <number>' line), stops by itself, and gets them right.
+problems in format (a single '#### <number>' line), stops by itself, and gets them right, and the bits per byte
+of the pretraining validation text (eval.evaluate_bpb, the same text and tokens as the base checkpoint's val bpb).
+
+Replay (--replay-frac): a fraction of every micro-batch's rows are pretraining text, trained on every token as in
+pretraining (add_replay), so that SFT does not erase what the base model knows about plain text; nanochat's
+mid-training mixes in pretraining-style data for the same reason. Measured on the tiny preset (one run each,
+seed 0, same base checkpoint; bpb of the base: BASE_BPB):
+
+REPLAY_TABLE
 """
 
 import argparse
@@ -18,6 +26,7 @@ import time
 from collections import Counter
 from contextlib import nullcontext
 from functools import partial
+from itertools import islice
 
 import torch
 import torch.distributed as dist
@@ -26,10 +35,11 @@ from torch.nn.parallel import DistributedDataParallel
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine
-from eval import completion_text, evaluate_generative
+from eval import PRESETS as EVAL_PRESETS
+from eval import completion_text, evaluate_bpb, evaluate_generative, validation_batches
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
-                   extract_final_answer, prepare_rows)
+                   extract_final_answer, prepare_rows, pretraining_batches, pretraining_texts)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, ~20-30 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k conversations,
@@ -38,9 +48,9 @@ from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, S
 # logits (16 x 2048 x 65536 x 4 bytes = 8.6 GB) and their gradient well inside 80 GB.
 PRESETS = {
     "tiny": dict(train_rows=4000, batch_size=32, device_batch_size=16, lr_frac=0.5, eval_every=25, eval_rows=256,
-                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=25),
+                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=25, replay_frac=0.0),
     "full": dict(train_rows=None, batch_size=512, device_batch_size=16, lr_frac=0.02, eval_every=200, eval_rows=2000,
-                 check_problems=256, check_samples=4, max_new_tokens=512, save_every=500),
+                 check_problems=256, check_samples=4, max_new_tokens=512, save_every=500, replay_frac=0.0),
 }
 
 
@@ -162,10 +172,49 @@ def generation_metrics(model, tokenizer, args, device):
     return metrics
 
 
-def micro_batches_of(rows, start, num, device_batch_size, pad_id):
-    """The collated micro-batches of rows[start : start + num] (wrapping around the end: another epoch)."""
+def micro_batches_of(rows, start, num, device_batch_size, pad_id, replay=None):
+    """
+    The collated micro-batches of rows[start : start + num] (wrapping around the end: another epoch).
+    `replay`: a function that adds replay rows to a micro-batch's rows (add_replay), or None.
+    """
     take = [rows[(start + i) % len(rows)] for i in range(num)]
-    return [collate(take[i:i + device_batch_size], pad_id) for i in range(0, num, device_batch_size)]
+    chunks = [take[i:i + device_batch_size] for i in range(0, num, device_batch_size)]
+    return [collate(replay(chunk) if replay else chunk, pad_id) for chunk in chunks]
+
+
+def replay_tokens(tokenizer, preset, rank=0, world_size=1, skip=0):
+    """
+    Endless token ids of the preset's pretraining documents (tasks.pretraining_texts(preset, "train")), each after
+    <|bos|> and packed as pretraining packs them (tasks.pretraining_batches, this rank's share of the documents);
+    starts over at the end of the corpus. The first `skip` tokens are dropped: --resume continues where it was.
+    """
+    while True:
+        for x, y, _ in pretraining_batches(tokenizer, pretraining_texts(preset, "train"), 1, 1023, rank, world_size):
+            row = torch.cat([x[0], y[0, -1:]]).tolist()  # the 1024 consecutive tokens of this packed row
+            if skip >= len(row):
+                skip -= len(row)
+                continue
+            yield from row[skip:]
+            skip = 0
+
+
+def replay_rows_for(num_rows, replay_frac):
+    """Replay rows added to a micro-batch of num_rows conversations: round(f / (1 - f) * num_rows), so f of all rows."""
+    if not 0 <= replay_frac < 1:
+        raise ValueError(f"--replay-frac must be in [0, 1); got {replay_frac}")
+    return round(replay_frac / (1 - replay_frac) * num_rows)
+
+
+def add_replay(rows, stream, replay_frac):
+    """
+    rows + replay_rows_for(len(rows), replay_frac) rows of pretraining text read from the token iterator `stream`
+    (replay_tokens). Each replay row is as long as the longest conversation of `rows`, so it adds no padding to
+    the micro-batch, and its mask is all ones: the loss covers every token, as in pretraining. The step's loss
+    stays one mean over all trained tokens (backward_sft_loss), replay tokens included.
+    """
+    length = max(len(ids) for ids, _ in rows)
+    replay = [list(islice(stream, length)) for _ in range(replay_rows_for(len(rows), replay_frac))]
+    return rows + [(ids, [1] * length) for ids in replay]
 
 
 def main(argv=None):
@@ -193,12 +242,17 @@ def main(argv=None):
     parser.add_argument("--check-samples", type=int, help="samples per problem for pass@1 at temperature 1")
     parser.add_argument("--max-new-tokens", type=int, help="longest answer generated in the check")
     parser.add_argument("--save-every", type=int, help="save a resumable checkpoint every this many steps (0: never)")
+    parser.add_argument("--replay-frac", type=float,
+                        help="fraction of each micro-batch's rows that are pretraining text, trained on every token, "
+                             "against forgetting it (0: none; default: the preset's, measured, see the docstring)")
     parser.add_argument("--dry-run", action="store_true", help="build the model, data and optimizers, print the plan "
                         "and stop before the first forward pass")
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+
+    replay_per_micro = replay_rows_for(args.device_batch_size, args.replay_frac)  # checks --replay-frac
 
     ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
     stage_start = time.time()
@@ -246,6 +300,12 @@ def main(argv=None):
     print0(f"{num_steps} steps of {args.batch_size} conversations ({rows_per_rank // args.device_batch_size} x "
            f"{args.device_batch_size} per rank), {sum(s[3] for s in shares)} held-out conversations; one pass is "
            f"{tokens:,} tokens, ~{model.flops_per_token() * tokens:.1e} FLOPs")
+    print0(f"replay: {replay_per_micro} rows of pretraining text per micro-batch of {args.device_batch_size} "
+           f"conversations (--replay-frac {args.replay_frac})")
+    # bpb of the pretraining validation text, as eval.py and pretrain.py measure it: what SFT costs in plain text.
+    token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.long)
+    bpb_batches = list(validation_batches(tokenizer, args.preset, args.device_batch_size, model.config.sequence_len,
+                                          EVAL_PRESETS[args.preset]["bpb_tokens"]))
 
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
@@ -253,21 +313,27 @@ def main(argv=None):
         print0("dry run: model, data and optimizers are built; stopping before the first forward pass")
         compute_cleanup()
         return
-    before = {"val_loss": evaluate_loss(model, val_batches, device)}  # the base model's
-    start_step = 0
+    before = {"val_loss": evaluate_loss(model, val_batches, device),  # the base model's
+              "bpb": evaluate_bpb(model, bpb_batches, token_bytes, device)}
+    start_step, replay_consumed = 0, 0
     if resume_state is not None:
         state, extra = resume_state
         model.load_state_dict(state)
         for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
-        start_step = extra["step"]
+        start_step, replay_consumed = extra["step"], extra.get("replay_tokens", 0)
         print0(f"resuming from step {start_step}")
     train_model = model
     if ddp:
         train_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     logger = common.Logger(args.run, vars(args))
 
-    print0(f"step {start_step:5d}/{num_steps} | val loss {before['val_loss']:.4f} (base model)")
+    replay = None
+    if replay_per_micro:
+        stream = replay_tokens(tokenizer, args.preset, rank, world_size, skip=replay_consumed)
+        replay = partial(add_replay, stream=stream, replay_frac=args.replay_frac)
+    print0(f"step {start_step:5d}/{num_steps} | val loss {before['val_loss']:.4f} | bpb {before['bpb']:.4f} "
+           f"(base model)")
     train_loss, t0, tokens_seen = float("nan"), time.time(), 0
     for step in range(start_step, num_steps):
         lr_multiplier = 1.0 - step / num_steps  # linear decay to 0
@@ -275,7 +341,10 @@ def main(argv=None):
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * lr_multiplier
         micro = micro_batches_of(train_rows, step * rows_per_rank, rows_per_rank, args.device_batch_size,
-                                 tokenizer.bos_id)
+                                 tokenizer.bos_id, replay)
+        # The replay rows are the last replay_per_micro rows of each micro-batch; this rank's share of the targets.
+        replay_targets = sum(int((y[len(y) - replay_per_micro:] >= 0).sum()) for _, y in micro)
+        replay_consumed += sum(replay_per_micro * (x.shape[1] + 1) for x, _ in micro)
         train_loss, num_targets, num_tokens = backward_sft_loss(train_model, micro, device)
         for optimizer in optimizers:
             optimizer.step()
@@ -283,7 +352,8 @@ def main(argv=None):
         tokens_seen += num_tokens
         elapsed = time.time() - t0
         eta = format_eta(elapsed / (step + 1 - start_step) * (num_steps - step - 1))
-        log = {"train/loss": train_loss, "train/targets": num_targets, "lr_multiplier": lr_multiplier}
+        log = {"train/loss": train_loss, "train/targets": num_targets, "lr_multiplier": lr_multiplier,
+               "train/replay_target_share": replay_targets * world_size / num_targets}
         if (step + 1) % args.eval_every == 0 or step + 1 == num_steps:
             log["val/loss"] = evaluate_loss(model, val_batches, device)
         print0(f"step {step + 1:5d}/{num_steps} | loss {train_loss:.4f}"
@@ -292,11 +362,14 @@ def main(argv=None):
         logger.log(log, step + 1)
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps and rank == 0:
             common.save_checkpoint(out_dir, step + 1, model, {"stage": "sft", "finished": False}, tokenizer=tokenizer,
-                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers]})
+                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
+                                          "replay_tokens": replay_consumed})
 
     final = {"val_loss": evaluate_loss(model, val_batches, device),
+             "bpb": evaluate_bpb(model, bpb_batches, token_bytes, device),
              **generation_metrics(model, tokenizer, args, device)}
-    print0(f"held-out loss {before['val_loss']:.4f} -> {final['val_loss']:.4f} | format {final['format_rate']:.1%} | "
+    print0(f"held-out loss {before['val_loss']:.4f} -> {final['val_loss']:.4f} | bpb {before['bpb']:.4f} -> "
+           f"{final['bpb']:.4f} | format {final['format_rate']:.1%} | "
            f"stop {final['stop_rate']:.1%} | pass@1 greedy {final['pass@1']:.1%} | pass@1 T=1 {final['pass@1_t1']:.1%}")
     logger.log({f"final/{k}": v for k, v in final.items()}, num_steps)
     logger.finish()
@@ -307,7 +380,7 @@ def main(argv=None):
         print0(f"saved {path}")
     common.append_report({"stage": "sft", "preset": args.preset, "seconds": time.time() - stage_start,
                           "steps": num_steps, "train_loss": train_loss,
-                          "val_loss_before": before["val_loss"], **final,
+                          "val_loss_before": before["val_loss"], "bpb_before": before["bpb"], **final,
                           "skipped": {f"{name}/{reason}": count for (name, reason), count in skipped.items()}})
     compute_cleanup()
 
