@@ -189,13 +189,18 @@ def replay_tokens(tokenizer, preset, rank=0, world_size=1, skip=0):
     starts over at the end of the corpus. The first `skip` tokens are dropped: --resume continues where it was.
     """
     while True:
-        for x, y, _ in pretraining_batches(tokenizer, pretraining_texts(preset, "train"), 1, 1023, rank, world_size):
-            row = torch.cat([x[0], y[0, -1:]]).tolist()  # the 1024 consecutive tokens of this packed row
+        rows = 0
+        for x, y, _ in pretraining_batches(tokenizer, pretraining_texts(preset, "train"), 1, 255, rank, world_size):
+            rows += 1
+            row = torch.cat([x[0], y[0, -1:]]).tolist()  # the 256 consecutive tokens of this packed row
             if skip >= len(row):
                 skip -= len(row)
                 continue
             yield from row[skip:]
             skip = 0
+        if not rows:
+            raise ValueError(f"rank {rank}'s share of the {preset} pretraining text is under 256 tokens: nothing to "
+                             f"replay; use --replay-frac 0")
 
 
 def replay_rows_for(num_rows, replay_frac):
