@@ -197,7 +197,8 @@ def check_comparable(task, stage_a, counts_a, stage_b, counts_b):
             raise ValueError(f"cannot compare {stage_a} and {stage_b} on {task}: the evaluation of {stage} does not "
                              f"record {', '.join(missing)} (an older eval.py); evaluate both again, e.g. "
                              f"python eval.py --compare {stage_a} {stage_b} --num-samples N --tasks {task}")
-    differ = [f"{key} {counts_a[key]!r} vs {counts_b[key]!r}" for key in PAIRED_SETTINGS if counts_a[key] != counts_b[key]]
+    differ = [f"{key} {counts_a[key]!r} vs {counts_b[key]!r}" for key in PAIRED_SETTINGS
+              if counts_a[key] != counts_b[key]]
     if differ:
         raise ValueError(f"cannot compare {stage_a} and {stage_b} on {task}: their evaluations differ in "
                          f"{'; '.join(differ)}; evaluate both with the same settings, e.g. "
