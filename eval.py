@@ -30,6 +30,9 @@ What is measured (--tasks):
 - coverage (from the same per-problem counts, in the report): the pass@k curve k = 1..n averaged over problems,
   the coverage gain A = pass@n - pass@1 and S = A / (1 - pass@1), with bootstrap intervals over problems.
   RL that sharpens a model raises pass@1 and shrinks A and S: it samples what it could already find more often.
+  The Sharpening tax between two stages is the paired change dA, dS (paired_coverage_delta): one bootstrap
+  resample of the problems scores both stages. Only evaluations with the same n, temperature, top-k, max_tokens
+  and problems (recorded with the counts) are compared; others are refused with the reason (check_comparable).
 
 Each checkpoint evaluated appends {"stage": "eval", "of": <stage>, "metrics": {...}, "coverage": {...}} to
 report.jsonl (common.append_report) and report.md is re-rendered. Under torchrun every rank takes every
@@ -38,6 +41,8 @@ single process gets; sampled completions depend on how problems are batched, so 
 """
 
 import argparse
+import hashlib
+import json
 import math
 import os
 import platform
@@ -145,6 +150,77 @@ def bootstrap_coverage(correct, n, num_resamples=1000, confidence=0.95, seed=0):
         values = values[np.isfinite(values)]
         intervals[name] = tuple(float(v) for v in np.quantile(values, tails)) if len(values) else (math.nan, math.nan)
     return intervals
+
+
+def paired_coverage_delta(correct_a, correct_b, n, num_resamples=1000, confidence=0.95, seed=0):
+    """
+    The change of coverage from stage a to stage b (e.g. SFT -> RL) on the same problems, the Sharpening tax:
+
+        dA = A_b - A_a,    dS = S_b - S_a      (A = pass@n - pass@1, S = A / (1 - pass@1); coverage_gain)
+
+    with paired percentile bootstrap intervals: each resample draws the problems once, with replacement, and both
+    stages' A and S are computed on that same draw, dA_r = A_b(I_r) - A_a(I_r). What makes one problem easy for both
+    stages cancels in the difference, so the interval is the uncertainty of the change itself (two separate
+    intervals, compared by eye, are too wide and not a test of it). correct_a[i], correct_b[i]: correct samples of
+    problem i out of n, the same problem i for both. Resamples where dS is undefined (pass@1 = 1 for either stage)
+    are left out of dS's interval. Pure and seeded. Returns {"dA", "dS", "dA_interval", "dS_interval"}.
+    """
+    if len(correct_a) != len(correct_b) or not correct_a:
+        raise ValueError(f"a paired comparison needs the same problems for both stages; got {len(correct_a)} and "
+                         f"{len(correct_b)} per-problem counts")
+    picks = np.random.default_rng(seed).integers(0, len(correct_a), size=(num_resamples, len(correct_a)))
+    resampled = []
+    for correct in (correct_a, correct_b):
+        per_problem = np.array(correct, dtype=np.float64)
+        resampled.append(_coverage((per_problem / n)[picks].mean(1), (per_problem > 0)[picks].mean(1)))
+    (gain_a, normalised_a), (gain_b, normalised_b) = resampled  # (num_resamples,) each
+    _, _, point_gain_a, point_normalised_a = coverage_gain(correct_a, n)
+    _, _, point_gain_b, point_normalised_b = coverage_gain(correct_b, n)
+    result = {"dA": point_gain_b - point_gain_a, "dS": point_normalised_b - point_normalised_a}
+    tails = [(1 - confidence) / 2, (1 + confidence) / 2]
+    for name, values in (("dA", gain_b - gain_a), ("dS", normalised_b - normalised_a)):
+        values = values[np.isfinite(values)]
+        result[f"{name}_interval"] = (tuple(float(v) for v in np.quantile(values, tails)) if len(values)
+                                      else (math.nan, math.nan))
+    return result
+
+
+# What two evaluations of a generative task must share to be compared problem by problem (eval records' coverage).
+PAIRED_SETTINGS = ("samples", "temperature", "top_k", "max_tokens", "problems")
+
+
+def check_comparable(task, stage_a, counts_a, stage_b, counts_b):
+    """
+    Raise ValueError unless the coverage entries of two stages (an eval record's coverage[task]) can be compared
+    problem by problem: the same number of samples n, temperature, top-k, max_tokens, and problem set (the hash of
+    problem_set_id). Anything else changes pass@k for reasons other than the checkpoint.
+    """
+    for stage, counts in ((stage_a, counts_a), (stage_b, counts_b)):
+        missing = [key for key in PAIRED_SETTINGS if key not in counts]
+        if missing:
+            raise ValueError(f"cannot compare {stage_a} and {stage_b} on {task}: the evaluation of {stage} does not "
+                             f"record {', '.join(missing)} (an older eval.py); evaluate both again, e.g. "
+                             f"python eval.py --compare {stage_a} {stage_b} --num-samples N --tasks {task}")
+    differ = [f"{key} {counts_a[key]!r} vs {counts_b[key]!r}" for key in PAIRED_SETTINGS
+              if counts_a[key] != counts_b[key]]
+    if differ:
+        raise ValueError(f"cannot compare {stage_a} and {stage_b} on {task}: their evaluations differ in "
+                         f"{'; '.join(differ)}; evaluate both with the same settings, e.g. "
+                         f"python eval.py --compare {stage_a} {stage_b} --num-samples N --tasks {task}")
+
+
+def paired_tax(task, stage_a, counts_a, stage_b, counts_b, **bootstrap):
+    """paired_coverage_delta of two stages' coverage entries for `task`, after check_comparable."""
+    check_comparable(task, stage_a, counts_a, stage_b, counts_b)
+    return paired_coverage_delta(counts_a["correct"], counts_b["correct"], counts_a["samples"], **bootstrap)
+
+
+def problem_set_id(task, indices):
+    """A short hash of the problems task[i], i in `indices`, in order: equal ids mean the same problems."""
+    digest = hashlib.sha256()
+    for i in indices:
+        digest.update(json.dumps(task[i], sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
 
 
 # -----------------------------------------------------------------------------
@@ -640,6 +716,42 @@ def coverage_table(rows):
     return lines
 
 
+def paired_rows(evals, stages=None):
+    """
+    One row per task and pair of stages (earlier, later in pipeline order) with per-problem counts from more than
+    one sample: (task, stage_a, stage_b, paired_tax(...) or the ValueError saying why they cannot be compared).
+    `stages`: only these (default: every evaluated stage).
+    """
+    rows = []
+    tasks = dict.fromkeys(task for entry in evals.values() for task in entry["coverage"])
+    for task in tasks:
+        sampled = [(stage, entry["coverage"][task]) for stage, entry in evals.items()
+                   if (stages is None or stage in stages) and entry["coverage"].get(task, {}).get("samples", 0) > 1]
+        for i, (stage_a, counts_a) in enumerate(sampled):
+            for stage_b, counts_b in sampled[i + 1:]:
+                try:
+                    rows.append((task, stage_a, stage_b, paired_tax(task, stage_a, counts_a, stage_b, counts_b)))
+                except ValueError as error:
+                    rows.append((task, stage_a, stage_b, error))
+    return rows
+
+
+def paired_table(rows):
+    """Markdown lines of the paired comparison (paired_rows); a pair that cannot be compared says why."""
+    def with_interval(value, interval):
+        return "n/a" if math.isnan(value) else f"{value:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}]"
+
+    lines = ["| task | from | to | dA [95% CI, paired] | dS [95% CI, paired] |", "|---|---|---|---|---|"]
+    refused = []
+    for task, stage_a, stage_b, result in rows:
+        if isinstance(result, Exception):
+            refused.append(f"- {task}, {stage_a} -> {stage_b}: not compared. {result}")
+            continue
+        lines.append(f"| {task} | {stage_a} | {stage_b} | {with_interval(result['dA'], result['dA_interval'])} | "
+                     f"{with_interval(result['dS'], result['dS_interval'])} |")
+    return lines + ([""] + refused if refused else [])
+
+
 def draw_plots(records, out_dir):
     """
     PNG plots for the report, written to out_dir: each stage's training curves (latest run of the stage) and, per
@@ -736,6 +848,10 @@ def render_report(records, env, plots=None, plot_root="."):
         lines += ["", "## Coverage", "", "From the same per-problem counts: how much more n samples solve than one. "
                   "A stage that sharpens its policy raises pass@1 and lowers A and S.", ""]
         lines += coverage_table(rows)
+        lines += ["", "The Sharpening tax, paired: dA = A(to) - A(from) and dS = S(to) - S(from) on the same problems, "
+                  "with intervals from one bootstrap resample of the problems shared by both stages. An interval "
+                  "below 0 means the later stage lost coverage.", ""]
+        lines += paired_table(paired_rows(evals))
         for task in dict.fromkeys(row[0] for row in rows):
             image(f"coverage-{task}", f"{task} pass@k curves")
     has_curves = any(curves_of(r) for r in stage_records.values())
@@ -861,7 +977,10 @@ def main(argv=None):
                 metrics.update({f"{name}/{m}@{k}": result[f"{m}@{k}"] for m in ("pass", "maj") for k in ks
                                 if f"{m}@{k}" in result})
                 metrics[f"{name}/truncated"], metrics[f"{name}/verifier_errors"] = result["truncated"], result["errors"]
-                coverage[name] = {"samples": args.num_samples, "correct": result["correct"].tolist()}
+                # What a paired comparison of two stages must find equal (check_comparable), with the counts.
+                coverage[name] = {"samples": args.num_samples, "correct": result["correct"].tolist(),
+                                  "temperature": temperature, "top_k": args.top_k, "max_tokens": max_tokens,
+                                  "problems": problem_set_id(task, range(len(task)))}
                 shown = " | ".join(f"{m}@{k} {result[f'{m}@{k}']:.4f}" for m in ("pass", "maj") for k in ks
                                    if f"{m}@{k}" in result)
                 shown += (f" ({len(task)} problems, {result['truncated']} truncated and {result['errors']} verifier "
@@ -871,7 +990,7 @@ def main(argv=None):
         common.append_report({"stage": "eval", "of": stage, "ckpt": str(ckpt),
                               "step": meta.get("step"), "preset": args.preset, "seconds": time.time() - t_stage,
                               "settings": {"num_samples": args.num_samples, "temperature": temperature,
-                                           "max_tokens": max_tokens, "max_problems": max_problems},
+                                           "top_k": args.top_k, "max_tokens": max_tokens, "max_problems": max_problems},
                               "metrics": metrics, "coverage": coverage})
     logger.log(logged, step=0)
     if get_dist_info()[1] == 0:
@@ -879,6 +998,8 @@ def main(argv=None):
             evals = merged_evals(common.read_report())
             rows = coverage_rows({stage: evals[stage] for stage in stages})
             print("\n".join(coverage_table(rows)) if rows else "no generative task was evaluated: nothing to compare")
+            if rows:
+                print("\n".join(paired_table(paired_rows(evals, stages))))
         print(f"wrote {write_report()}")
     logger.finish()
     common.compute_cleanup()

@@ -12,7 +12,23 @@ A step's conversations are sorted by length and cut into micro-batches of at mos
 positions (tasks.token_budget_batches), so a micro-batch of long conversations holds fewer of them.
 The loss of an optimizer step is the mean over every trained token of the step, across micro-batches and ranks
 (see backward_sft_loss). At the end it measures held-out loss and whether the model answers held-out synthetic
-problems in format (a single '#### <number>' line), stops by itself, and gets them right.
+problems in format (a single '#### <number>' line), stops by itself, and gets them right, and the bits per byte
+of the pretraining validation text (eval.evaluate_bpb, the same text and tokens as the base checkpoint's val bpb).
+
+Replay (--replay-frac): a fraction of every micro-batch's rows are pretraining text, trained on every token as in
+pretraining (add_replay), so that SFT does not erase what the base model knows about plain text; nanochat's
+mid-training mixes in pretraining-style data for the same reason. Measured on the tiny preset (one run each,
+seed 0, the same base checkpoint; python sft.py --preset tiny --replay-frac F on 2 shared CPU cores):
+
+    --replay-frac  replay rows per 16 conversations  val bpb (base 0.2787)  held-out loss  greedy pass@1  pass@1 T=1
+    0              0                                 2.195 (7.9x the base)  0.0951         0.504          0.535
+    0.1 (default)  2                                 0.271 (0.97x)          0.0908         0.539          0.530
+    0.25           5                                 0.261 (0.93x)          0.0861         0.539          0.537
+
+The tiny default is 0.1: the smallest fraction measured that keeps bpb within 1.5x of the base's while greedy
+pass@1 does not drop (the replayed documents are worked problems in plain text); it costs 2 extra rows per 16
+conversations, and 0.25 buys little more for 5. The full preset keeps 0 until measured at that scale (SmolTalk is
+itself general text): pass --replay-frac to turn it on.
 """
 
 import argparse
@@ -20,6 +36,7 @@ import time
 from collections import Counter
 from contextlib import nullcontext
 from functools import partial
+from itertools import islice
 
 import torch
 import torch.distributed as dist
@@ -28,10 +45,11 @@ from torch.nn.parallel import DistributedDataParallel
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine
-from eval import completion_text, evaluate_generative
+from eval import PRESETS as EVAL_PRESETS
+from eval import completion_text, evaluate_bpb, evaluate_generative, validation_batches
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
-                   extract_final_answer, prepare_rows, token_budget_batches)
+                   extract_final_answer, prepare_rows, pretraining_batches, pretraining_texts, token_budget_batches)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, ~20-30 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k conversations,
@@ -41,10 +59,10 @@ from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, S
 # context, the old 16-row micro-batch at its longest.
 PRESETS = {
     "tiny": dict(train_rows=4000, batch_size=32, device_batch_tokens=4096, lr_frac=0.5, eval_every=25, eval_rows=256,
-                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=25),
+                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=25, replay_frac=0.1),
     "full": dict(train_rows=None, batch_size=512, device_batch_tokens=32768, lr_frac=0.02, eval_every=200,
-                 eval_rows=2000,
-                 check_problems=256, check_samples=4, max_new_tokens=512, save_every=500),
+                 eval_rows=2000, check_problems=256, check_samples=4, max_new_tokens=512, save_every=500,
+                 replay_frac=0.0),
 }
 
 
@@ -170,14 +188,62 @@ def generation_metrics(model, tokenizer, args, device):
     return metrics
 
 
-def micro_batches_of(rows, start, num, device_batch_tokens, pad_id):
+def micro_batches_of(rows, start, num, device_batch_tokens, pad_id, replay_stream=None, replay_frac=0.0):
     """
-    The collated micro-batches of rows[start : start + num] (wrapping around the end: another epoch), each of at
-    most device_batch_tokens padded positions, and the fraction of those positions that are padding.
+    The collated micro-batches of rows[start : start + num] (wrapping around the end: another epoch), sorted by
+    length and cut into micro-batches of at most device_batch_tokens padded positions; the fraction of those
+    positions that are padding; and the number of replay rows at the end of each micro-batch. With replay
+    (replay_stream from replay_tokens, replay_frac > 0) the conversations get (1 - replay_frac) of the budget and
+    add_replay fills the rest with pretraining rows as long as the longest conversation (rounding may add a row).
     """
     take = [rows[(start + i) % len(rows)] for i in range(num)]
-    batches, padding = token_budget_batches([[len(ids) - 1] for ids, _ in take], device_batch_tokens)
-    return [collate([take[i] for i in batch], pad_id) for batch in batches], padding
+    budget = int(device_batch_tokens * (1 - replay_frac)) if replay_stream else device_batch_tokens
+    batches, padding = token_budget_batches([[len(ids) - 1] for ids, _ in take], budget)
+    chunks = [[take[i] for i in batch] for batch in batches]
+    replay_rows = [replay_rows_for(len(chunk), replay_frac) if replay_stream else 0 for chunk in chunks]
+    if replay_stream:
+        chunks = [add_replay(chunk, replay_stream, replay_frac) for chunk in chunks]
+    return [collate(chunk, pad_id) for chunk in chunks], padding, replay_rows
+
+
+def replay_tokens(tokenizer, preset, rank=0, world_size=1, skip=0):
+    """
+    Endless token ids of the preset's pretraining documents (tasks.pretraining_texts(preset, "train")), each after
+    <|bos|> and packed as pretraining packs them (tasks.pretraining_batches, this rank's share of the documents);
+    starts over at the end of the corpus. The first `skip` tokens are dropped: --resume continues where it was.
+    """
+    while True:
+        rows = 0
+        for x, y, _ in pretraining_batches(tokenizer, pretraining_texts(preset, "train"), 1, 255, rank, world_size):
+            rows += 1
+            row = torch.cat([x[0], y[0, -1:]]).tolist()  # the 256 consecutive tokens of this packed row
+            if skip >= len(row):
+                skip -= len(row)
+                continue
+            yield from row[skip:]
+            skip = 0
+        if not rows:
+            raise ValueError(f"rank {rank}'s share of the {preset} pretraining text is under 256 tokens: nothing to "
+                             f"replay; use --replay-frac 0")
+
+
+def replay_rows_for(num_rows, replay_frac):
+    """Replay rows added to a micro-batch of num_rows conversations: round(f / (1 - f) * num_rows), so f of all rows."""
+    if not 0 <= replay_frac < 1:
+        raise ValueError(f"--replay-frac must be in [0, 1); got {replay_frac}")
+    return round(replay_frac / (1 - replay_frac) * num_rows)
+
+
+def add_replay(rows, stream, replay_frac):
+    """
+    rows + replay_rows_for(len(rows), replay_frac) rows of pretraining text read from the token iterator `stream`
+    (replay_tokens). Each replay row is as long as the longest conversation of `rows`, so it adds no padding to
+    the micro-batch, and its mask is all ones: the loss covers every token, as in pretraining. The step's loss
+    stays one mean over all trained tokens (backward_sft_loss), replay tokens included.
+    """
+    length = max(len(ids) for ids, _ in rows)
+    replay = [list(islice(stream, length)) for _ in range(replay_rows_for(len(rows), replay_frac))]
+    return rows + [(ids, [1] * length) for ids in replay]
 
 
 def main(argv=None):
@@ -206,12 +272,17 @@ def main(argv=None):
     parser.add_argument("--check-samples", type=int, help="samples per problem for pass@1 at temperature 1")
     parser.add_argument("--max-new-tokens", type=int, help="longest answer generated in the check")
     parser.add_argument("--save-every", type=int, help="save a resumable checkpoint every this many steps (0: never)")
+    parser.add_argument("--replay-frac", type=float,
+                        help="fraction of each micro-batch's rows that are pretraining text, trained on every token, "
+                             "against forgetting it (0: none; default: the preset's, measured, see the docstring)")
     parser.add_argument("--dry-run", action="store_true", help="build the model, data and optimizers, print the plan "
                         "and stop before the first forward pass")
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+
+    replay_rows_for(1, args.replay_frac)  # checks --replay-frac
 
     ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
     stage_start = time.time()
@@ -255,11 +326,19 @@ def main(argv=None):
     num_steps = args.num_steps or min_rows // rows_per_rank
     if num_steps < 1:
         raise ValueError(f"{min_rows} training rows per rank are fewer than one step's {rows_per_rank}")
-    val_batches, _ = micro_batches_of(val_rows, 0, len(val_rows), args.device_batch_tokens, tokenizer.bos_id)
+    val_batches, _, _ = micro_batches_of(val_rows, 0, len(val_rows), args.device_batch_tokens, tokenizer.bos_id)
     tokens = sum(s[4] for s in shares)  # one pass over the training rows, padding not counted
     print0(f"{num_steps} steps of {args.batch_size} conversations ({rows_per_rank} per rank in micro-batches of <= "
            f"{args.device_batch_tokens:,} padded tokens), {sum(s[3] for s in shares)} held-out conversations; one pass "
            f"is {tokens:,} tokens, ~{model.flops_per_token() * tokens:.1e} FLOPs")
+    if args.replay_frac:
+        print0(f"replay: {args.replay_frac:.0%} of each micro-batch's rows are pretraining text (--replay-frac), "
+               "as long as its longest conversation; the conversations get the rest of the token budget")
+    # bpb of the pretraining validation text, as eval.py and pretrain.py measure it: what SFT costs in plain text.
+    token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.long)
+    bpb_rows = max(args.device_batch_tokens // model.config.sequence_len, 1)
+    bpb_batches = list(validation_batches(tokenizer, args.preset, bpb_rows, model.config.sequence_len,
+                                          EVAL_PRESETS[args.preset]["bpb_tokens"]))
 
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
@@ -267,29 +346,39 @@ def main(argv=None):
         print0("dry run: model, data and optimizers are built; stopping before the first forward pass")
         compute_cleanup()
         return
-    before = {"val_loss": evaluate_loss(model, val_batches, device)}  # the base model's
-    start_step = 0
+    before = {"val_loss": evaluate_loss(model, val_batches, device),  # the base model's
+              "bpb": evaluate_bpb(model, bpb_batches, token_bytes, device)}
+    start_step, replay_consumed = 0, 0
     if resume_state is not None:
         state, extra = resume_state
         model.load_state_dict(state)
         for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
-        start_step = extra["step"]
+        # Replay continues after the tokens rank 0 had read (other ranks' counts differ a little: near enough).
+        start_step, replay_consumed = extra["step"], extra.get("replay_tokens", 0)
         print0(f"resuming from step {start_step}")
     train_model = model
     if ddp:
         train_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     logger = common.Logger(args.run, vars(args))
 
-    print0(f"step {start_step:5d}/{num_steps} | val loss {before['val_loss']:.4f} (base model)")
+    replay_stream = None
+    if args.replay_frac:
+        replay_stream = replay_tokens(tokenizer, args.preset, rank, world_size, skip=replay_consumed)
+    print0(f"step {start_step:5d}/{num_steps} | val loss {before['val_loss']:.4f} | bpb {before['bpb']:.4f} "
+           f"(base model)")
     train_loss, t0, tokens_seen = float("nan"), time.time(), 0
     for step in range(start_step, num_steps):
         lr_multiplier = 1.0 - step / num_steps  # linear decay to 0
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * lr_multiplier
-        micro, padding = micro_batches_of(train_rows, step * rows_per_rank, rows_per_rank, args.device_batch_tokens,
-                                          tokenizer.bos_id)
+        micro, padding, replay_rows = micro_batches_of(train_rows, step * rows_per_rank, rows_per_rank,
+                                                       args.device_batch_tokens, tokenizer.bos_id, replay_stream,
+                                                       args.replay_frac)
+        # The replay rows are the last replay_rows[i] rows of micro-batch i; this rank's share of the targets.
+        replay_targets = sum(int((y[len(y) - r:] >= 0).sum()) for (_, y), r in zip(micro, replay_rows) if r)
+        replay_consumed += sum(r * (x.shape[1] + 1) for (x, _), r in zip(micro, replay_rows))
         train_loss, num_targets, num_tokens = backward_sft_loss(train_model, micro, device)
         for optimizer in optimizers:
             optimizer.step()
@@ -298,7 +387,7 @@ def main(argv=None):
         elapsed = time.time() - t0
         eta = format_eta(elapsed / (step + 1 - start_step) * (num_steps - step - 1))
         log = {"train/loss": train_loss, "train/targets": num_targets, "train/padding": padding,
-               "lr_multiplier": lr_multiplier}
+               "lr_multiplier": lr_multiplier, "train/replay_target_share": replay_targets * world_size / num_targets}
         if (step + 1) % args.eval_every == 0 or step + 1 == num_steps:
             log["val/loss"] = evaluate_loss(model, val_batches, device)
         print0(f"step {step + 1:5d}/{num_steps} | loss {train_loss:.4f}"
@@ -309,13 +398,16 @@ def main(argv=None):
         preempted = common.preempted(device)  # SIGTERM/SIGINT: keep this step's work, see common.py
         if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
             common.save_checkpoint(out_dir, step + 1, model, {"stage": "sft", "finished": False}, tokenizer=tokenizer,
-                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers]})
+                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
+                                          "replay_tokens": replay_consumed})
         if preempted:
             common.exit_preempted(out_dir)
 
     final = {"val_loss": evaluate_loss(model, val_batches, device),
+             "bpb": evaluate_bpb(model, bpb_batches, token_bytes, device),
              **generation_metrics(model, tokenizer, args, device)}
-    print0(f"held-out loss {before['val_loss']:.4f} -> {final['val_loss']:.4f} | format {final['format_rate']:.1%} | "
+    print0(f"held-out loss {before['val_loss']:.4f} -> {final['val_loss']:.4f} | bpb {before['bpb']:.4f} -> "
+           f"{final['bpb']:.4f} | format {final['format_rate']:.1%} | "
            f"stop {final['stop_rate']:.1%} | pass@1 greedy {final['pass@1']:.1%} | pass@1 T=1 {final['pass@1_t1']:.1%}")
     logger.log({f"final/{k}": v for k, v in final.items()}, num_steps)
     logger.finish()
@@ -326,7 +418,7 @@ def main(argv=None):
         print0(f"saved {path}")
     common.append_report({"stage": "sft", "preset": args.preset, "seconds": time.time() - stage_start,
                           "steps": num_steps, "train_loss": train_loss,
-                          "val_loss_before": before["val_loss"], **final,
+                          "val_loss_before": before["val_loss"], "bpb_before": before["bpb"], **final,
                           "skipped": {f"{name}/{reason}": count for (name, reason), count in skipped.items()}})
     compute_cleanup()
 

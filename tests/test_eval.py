@@ -155,6 +155,68 @@ def test_bootstrap_coverage_degenerate_cases():
 
 
 # -----------------------------------------------------------------------------
+# The Sharpening tax as a paired comparison (dA, dS)
+
+
+def test_paired_tax_bootstrap():
+    # Identical stages: dA = dS = 0 on every resample, a zero-width interval.
+    same = ev.paired_coverage_delta(COUNTS, COUNTS, 4, num_resamples=200)
+    assert same == {"dA": 0.0, "dS": 0.0, "dA_interval": (0.0, 0.0), "dS_interval": (0.0, 0.0)}
+    # A known shift, hand-computed (see COUNTS): sft A = 5/16, S = 5/9; rl [4, 4, 0, 0]: A = 0, S = 0.
+    shift = ev.paired_coverage_delta(COUNTS, [4, 4, 0, 0], 4, num_resamples=200)
+    assert (shift["dA"], shift["dS"]) == pytest.approx((-5 / 16, -5 / 9))
+    # Paired: every problem gains one correct sample of 4 and stays covered, so pass@1 rises by 1/4 and pass@4 stays
+    # on every resample: dA = -1/4 exactly, whatever problems are drawn, and S = 1 for both (dS = 0). Separate
+    # intervals of A would be wide and overlap; the paired one has no width.
+    a, b = [1, 2, 3, 1, 2, 1], [2, 3, 4, 2, 3, 2]
+    paired = ev.paired_coverage_delta(a, b, 4, num_resamples=300, seed=3)
+    assert paired["dA"] == pytest.approx(-0.25) and paired["dA_interval"] == pytest.approx((-0.25, -0.25))
+    assert paired["dS"] == 0.0 and paired["dS_interval"] == pytest.approx((0.0, 0.0))
+    low_a, high_a = ev.bootstrap_coverage(a, 4, num_resamples=300, seed=3)["A"]
+    low_b, high_b = ev.bootstrap_coverage(b, 4, num_resamples=300, seed=3)["A"]
+    assert high_a - low_a > 0.1 and high_b - low_b > 0.1 and high_b > low_a  # unpaired: no clear difference
+    # The interval is the one of resampling by hand: one draw of problems, both stages scored on it.
+    c, d = [0, 1, 4, 2, 3, 0, 4, 1], [1, 1, 4, 4, 0, 0, 4, 2]
+    got = ev.paired_coverage_delta(c, d, 4, num_resamples=200, confidence=0.9, seed=7)
+    picks = np.random.default_rng(7).integers(0, len(c), size=(200, len(c)))
+    deltas = [np.subtract(ev.coverage_gain([d[i] for i in row], 4), ev.coverage_gain([c[i] for i in row], 4))
+              for row in picks]
+    for name, column in (("dA", 2), ("dS", 3)):
+        values = [delta[column] for delta in deltas if np.isfinite(delta[column])]
+        assert got[f"{name}_interval"] == pytest.approx(tuple(np.quantile(values, [0.05, 0.95])))
+    with pytest.raises(ValueError, match="same problems"):
+        ev.paired_coverage_delta([1, 2], [1, 2, 3], 4)
+
+
+def coverage_entry(correct, **changes):
+    task = SyntheticTask("test", size=len(correct))
+    entry = {"samples": 4, "correct": correct, "temperature": 1.0, "top_k": None, "max_tokens": 96,
+             "problems": ev.problem_set_id(task, range(len(task)))}
+    return {**entry, **changes}
+
+
+def test_compare_refuses_mismatched_evals():
+    sft = coverage_entry([0, 1, 4, 2])
+    assert ev.paired_tax("synthetic", "sft", sft, "rl", coverage_entry([4, 4, 0, 0]))["dA"] == pytest.approx(-5 / 16)
+    other_problems = ev.problem_set_id(SyntheticTask("test", size=5), range(1, 5))
+    for changes in ({"samples": 8}, {"temperature": 0.7}, {"max_tokens": 64}, {"top_k": 20},
+                    {"problems": other_problems}):
+        key, value = next(iter(changes.items()))
+        with pytest.raises(ValueError, match=f"differ in {key} .* vs {value!r}"):
+            ev.paired_tax("synthetic", "sft", sft, "rl", coverage_entry([4, 4, 0, 0], **changes))
+    old = {"samples": 4, "correct": [4, 4, 0, 0]}  # a record of an eval.py that stored no settings
+    with pytest.raises(ValueError, match="does not record temperature"):
+        ev.paired_tax("synthetic", "sft", sft, "rl", old)
+    # The report card refuses the pair with the reason instead of printing a meaningless difference.
+    evals = {"sft": {"coverage": {"synthetic": sft}},
+             "rl": {"coverage": {"synthetic": coverage_entry([4, 4, 0, 0], max_tokens=64)}}}
+    (row,) = ev.paired_rows(evals)
+    assert isinstance(row[3], ValueError)
+    assert "- synthetic, sft -> rl: not compared." in "\n".join(ev.paired_table([row]))
+    assert ev.problem_set_id(SyntheticTask("test", size=4), range(4)) == sft["problems"]
+
+
+# -----------------------------------------------------------------------------
 # Bits per byte
 
 
@@ -336,6 +398,16 @@ def test_cli_compare_writes_records_and_the_report(tokenizer, tmp_path, monkeypa
     report = (tmp_path / "report.md").read_text()
     assert "## Coverage" in report
     assert "| synthetic | sft | 4 | 40 |" in report and "| synthetic | rl | 4 | 40 |" in report
+    # The paired change sft -> rl, from the two records (they share n, temperature, max_tokens and problems).
+    paired = ev.paired_coverage_delta(sft, rl, 4)
+    assert (f"| synthetic | sft | rl | {paired['dA']:+.3f} [{paired['dA_interval'][0]:+.3f}, "
+            f"{paired['dA_interval'][1]:+.3f}] |") in report
+    # rl evaluated again with a longer max_tokens: the report refuses the pair and says why.
+    ev.main(["--stage", "rl", "--tasks", "synthetic", "--num-samples", "4", "--max-problems", str(NUM_PROBLEMS),
+             "--max-tokens", "7", "--device", "cpu"])
+    report = (tmp_path / "report.md").read_text()
+    assert "- synthetic, sft -> rl: not compared." in report and "max_tokens 6 vs 7" in report
+    assert "| synthetic | sft | rl |" not in report
 
 
 def test_cli_rejects_k_above_num_samples(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from functools import partial
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,38 @@ def test_mixture_counts_repeat_and_interleave():
     assert tasks.TaskMixture([("a", a, 7), ("b", b, None)], seed=1).index == mixture.index
 
 
+def test_sft_replay_mixes_pretraining_text(tokenizer):
+    rows = [tokenizer.render_conversation(c) for c in conversations(4)]
+    length = max(len(ids) for ids, _ in rows)
+    # A budget of 8 rows: with --replay-frac 0.5 the 4 conversations get half of it, the replay rows the other half.
+    micro, _, replay_rows = sft.micro_batches_of(rows, 0, 4, 8 * (length - 1), tokenizer.bos_id,
+                                                 sft.replay_tokens(tokenizer, "tiny"), 0.5)
+    (x, y), = micro
+    assert x.shape == (8, length - 1) and replay_rows == [4]  # 4 conversations + 4 replay rows, as long as the longest
+
+    # The replay rows are the pretraining corpus itself, packed from its first document on (<|bos|> + text, ...),
+    # and every one of their tokens is a target (mask all ones); the conversations keep their masks.
+    documents = tasks.pretraining_texts("tiny", "train")
+    stream = [t for _, text in zip(range(40), documents) for t in tokenizer.encode(text, prepend="<|bos|>")]
+    replayed = torch.cat([x[4:], y[4:, -1:]], dim=1).flatten().tolist()
+    assert replayed == stream[:4 * length]
+    assert bool((y[4:] == x[4:].roll(-1, dims=1))[:, :-1].all()) and bool((y[4:] >= 0).all())
+    assert bool((y[:4] == -1).any())
+    (conversation_only,), _, _ = sft.micro_batches_of(rows, 0, 4, 4 * (length - 1), tokenizer.bos_id)
+    assert torch.equal(conversation_only[1], y[:4])
+
+    # The loss is one mean over all trained tokens, replay tokens included.
+    _, num_targets, _ = sft.backward_sft_loss(make_model(tokenizer), [(x, y)], "cpu")
+    assert num_targets == int((conversation_only[1] >= 0).sum()) + 4 * (length - 1)
+
+    # --resume continues the stream where it stopped; the row count makes f of all rows replay.
+    assert list(islice(sft.replay_tokens(tokenizer, "tiny", skip=4 * length), 50)) == stream[4 * length:4 * length + 50]
+    assert [sft.replay_rows_for(16, f) for f in (0.0, 0.1, 0.25, 0.5)] == [0, 2, 5, 16]
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="--replay-frac"):
+            sft.replay_rows_for(16, bad)
+
+
 def save_base(home, tokenizer):
     model = make_model(tokenizer)
     common.save_checkpoint(home / "checkpoints" / "base", 1, model, {"stage": "base"}, tokenizer=tokenizer)
@@ -142,6 +175,7 @@ def test_main_tiny_trains_saves_reports_and_resumes(tokenizer, tmp_path, monkeyp
     assert record["val_loss"] < record["val_loss_before"]  # 3 steps at a high rate already fit the format a little
     for key in ("format_rate", "stop_rate", "pass@1", "pass@1_t1"):
         assert 0.0 <= record[key] <= 1.0
+    assert record["bpb_before"] > 0 and record["bpb"] > 0  # the pretraining validation text, before and after
 
     sft.main(TINY_ARGS + ["--device", "cpu", "--resume"])
     assert "already finished" in capsys.readouterr().out
@@ -169,7 +203,7 @@ def test_full_preset_mixture_runs_on_stand_in_hub_data(tokenizer, tmp_path, monk
 
 def test_micro_batches_keep_the_token_budget_and_report_padding(tokenizer):
     rows = [tokenizer.render_conversation(c) for c in conversations(12)]
-    micro, padding = sft.micro_batches_of(rows, 5, 12, 150, tokenizer.bos_id)
+    micro, padding, _ = sft.micro_batches_of(rows, 5, 12, 150, tokenizer.bos_id)
     assert len(micro) > 1 and all(x.numel() <= 150 for x, _ in micro)
     assert sum(x.size(0) for x, _ in micro) == 12
     real = sum(len(ids) - 1 for ids, _ in rows)
