@@ -18,7 +18,7 @@ import rl
 import sft
 import tasks
 from conftest import make_model, make_tokenizer
-from model import GPT, GPTConfig
+from model import GPTConfig
 from test_pretrain import SMALL, home, parquet_docs, tokenizer_dir, write_parquet  # noqa: F401 (fixtures)
 from test_rl import LengthParity
 from tokenizer import CONFIG_FILE, Tokenizer

@@ -6,8 +6,6 @@ greedy-only eval), each stage writing the record it really writes (stage "pretra
 
 import importlib.util
 
-import pytest
-
 import common
 import dpo
 import eval as ev
