@@ -2,7 +2,7 @@
 Supervised fine-tuning: teach the base model the chat format, to answer and to stop.
 
     python sft.py --preset tiny                     # CPU, minutes: synthetic conversations with calculator calls
-    torchrun --nproc_per_node=8 sft.py              # full: SmolTalk + GSM8K train, ~20-30 min on 8xH100
+    torchrun --nproc_per_node=8 sft.py              # full: SmolTalk + GSM8K train, ~6 min on 8xH100 (estimate)
     torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 sft.py   # node-rank=1 on the other
 
 Each conversation is rendered with Tokenizer.render_conversation; the loss is the cross-entropy of the tokens
@@ -34,9 +34,9 @@ from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, S
                    extract_final_answer, prepare_rows, token_budget_batches)
 
 # Defaults per preset; explicit flags win.
-# full (8xH100, ~20-30 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k conversations,
-# ~200M tokens with padding) plus two of GSM8K train (15k); about 6 * N * tokens = 7e17 FLOPs, 10-15 min of compute
-# at 40% MFU, the rest padding and the final generation check. Micro-batches of 32,768 padded positions (16 rows of
+# full (8xH100, plan(): ~6 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k
+# conversations, ~200M tokens with padding) plus two of GSM8K train (15k); about 6 * N * tokens = 7e17 FLOPs at an
+# assumed 25% MFU, plus the final generation check. Micro-batches of 32,768 padded positions (16 rows of
 # 2,048) need ~61 GiB per GPU with chunked logits (model.training_memory). tiny: 4,096 = 16 rows of the 256-token
 # context, the old 16-row micro-batch at its longest.
 PRESETS = {
