@@ -98,8 +98,9 @@ def plan(args, config):
     micro = common.fit_batch_tokens("dpo", config, common.HARDWARE[args.preset]["memory"], args.device_batch_tokens,
                                     2 * config.sequence_len, LOGITS_CHUNK_TOKENS, reference)
     decode = 2 * args.check_problems * (1 + args.check_samples) * args.max_new_tokens
+    per_token = flops * 4 / 3 + 2 * config.n_embd * config.vocab_size
     return common.stage_plan("dpo", args.preset, config, micro, LOGITS_CHUNK_TOKENS,
-                             args.epochs * PLAN_TOKENS[args.preset], flops * 4 / 3 + 2 * config.n_embd * config.vocab_size, decode_tokens=decode,
+                             args.epochs * PLAN_TOKENS[args.preset], per_token, decode_tokens=decode,
                              extra_bytes=reference)
 
 

@@ -149,8 +149,9 @@ def check_sft(args, device, model, tokenizer):
         return loss
 
     _, seconds, peak = measure(device, step)
-    return dict(check="sft", shape=f"{len(rows)} x {seq_len} = {tokens:,} tokens", speed=f"{tokens / seconds:,.0f} tok/s",
-                seconds=seconds, peak=peak, plan=common.planned_memory(model.config, tokens, LOGITS_CHUNK_TOKENS) / GIB)
+    return dict(check="sft", shape=f"{len(rows)} x {seq_len} = {tokens:,} tokens",
+                speed=f"{tokens / seconds:,.0f} tok/s", seconds=seconds, peak=peak,
+                plan=common.planned_memory(model.config, tokens, LOGITS_CHUNK_TOKENS) / GIB)
 
 
 def check_dpo(args, device, model, tokenizer):
@@ -185,7 +186,8 @@ def check_engine(args, device, model, tokenizer):
     prompts = [tokenizer.encode(f"Question {i}: what is {i} + {i}?", prepend="<|bos|>") for i in range(8)]
     with common.autocast_ctx(device):
         cache = KVCache(1, len(prompts[0]), model.config.n_layer, device)
-        model(torch.tensor([prompts[0]], device=device), kv_cache=cache)
+        with torch.no_grad():  # one prefill, to see the dtype the cache stores keys and values in
+            model(torch.tensor([prompts[0]], device=device), kv_cache=cache)
         results, seconds, peak = measure(device, lambda: Engine(model, tokenizer).generate(
             prompts, num_samples=args.engine_rows // 8, max_tokens=args.engine_tokens, temperature=1.0, seed=0))
     generated = sum(len(c.tokens) for group in results for c in group)
