@@ -532,3 +532,121 @@ def read_report():
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -----------------------------------------------------------------------------
+# The budget: what a stage costs on the hardware its preset is planned for, and the micro-batch that fits a GPU.
+# Each stage's --dry-run prints its plan (stage_plan + print_plan) from its own numbers; plan.py adds them up into
+# the speedrun's table. A real run on CUDA fits its micro-batch to the GPU it finds (batch_tokens_for_device).
+
+GIB = 2**30
+# The hardware each GPU preset is planned for. memory: what torch.cuda.get_device_properties reports (bytes);
+# peak_flops: dense bf16 tensor-core FLOP/s of one GPU (datasheets); decode_tokens_per_s: what one GPU's engine is
+# assumed to generate (tokens/s, >= 128 rows decoding together, bf16, eager): an assumption until
+# bench/gpu_check.py measures it (its "engine decode" row).
+HARDWARE = {
+    "full": dict(name="8xH100 80GB", gpus=8, memory=81559 * 2**20, peak_flops=989e12, decode_tokens_per_s=10_000),
+    "small": dict(name="1x RTX 4090 24GB", gpus=1, memory=24564 * 2**20, peak_flops=165e12,
+                  decode_tokens_per_s=8_000),
+}
+# Assumed model FLOPs utilisation: compiled pretraining at large matmuls (nanochat reports ~40-50% on H100), eager
+# post-training with variable shapes and chunked logits lower. Assumptions, checked by bench/gpu_check.py's MFU.
+ASSUMED_MFU = {"pretrain": 0.40, "post-training": 0.25}
+# Share of a GPU's memory a micro-batch may plan for: model.training_memory counts tensors only; the CUDA context,
+# allocator fragmentation and NCCL buffers come on top. 0.9 x 79.6 GiB (an 80 GB H100) = 71.7 GiB <= 75 GiB.
+MEMORY_MARGIN = 0.9
+
+
+def planned_memory(config, micro_batch_tokens, logits_chunk, extra_bytes=0):
+    """Peak bytes per GPU of a training process (model.training_memory) plus what the stage holds besides."""
+    from model import training_memory
+
+    return training_memory(config, micro_batch_tokens, logits_chunk)["total"] + extra_bytes
+
+
+def fit_batch_tokens(stage, config, gpu_bytes, max_tokens, min_tokens, logits_chunk, extra_bytes=0):
+    """
+    The largest micro-batch, in tokens, of max_tokens, max_tokens / 2, max_tokens / 4, ... (and min_tokens itself,
+    the smallest one that holds a row) whose planned_memory fits MEMORY_MARGIN * gpu_bytes. UserError naming the
+    stage and the memory it needs when not even min_tokens fits.
+    """
+    usable = MEMORY_MARGIN * gpu_bytes
+    candidates = [max_tokens >> k for k in range(64) if max_tokens >> k >= min_tokens]
+    for tokens in candidates + ([min_tokens] if candidates[-1:] != [min_tokens] else []):
+        if planned_memory(config, tokens, logits_chunk, extra_bytes) <= usable:
+            return tokens
+    need = planned_memory(config, min_tokens, logits_chunk, extra_bytes)
+    raise UserError(f"{stage} does not fit this GPU: its smallest micro-batch ({min_tokens:,} tokens) needs "
+                    f"{need / GIB:.1f} GiB per GPU (model.training_memory), more than {usable / GIB:.1f} GiB "
+                    f"({MEMORY_MARGIN:.0%} of {gpu_bytes / GIB:.1f} GiB); use a smaller preset (--preset small), "
+                    "a shorter --max-seq-len or a GPU with more memory")
+
+
+def batch_tokens_for_device(stage, given, device, config, max_tokens, min_tokens, logits_chunk, extra_bytes=0):
+    """
+    A stage's micro-batch in tokens: `given` (its --device-batch-tokens flag) when set; on CUDA the largest that fits
+    this GPU (fit_batch_tokens, up to the preset's max_tokens); elsewhere max_tokens. Prints the choice.
+    """
+    if given:
+        print0(f"{stage}: micro-batches of {given:,} tokens (as given)")
+        return given
+    if torch.device(device).type != "cuda":
+        return max_tokens
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory
+    tokens = fit_batch_tokens(stage, config, gpu_bytes, max_tokens, min_tokens, logits_chunk, extra_bytes)
+    print0(f"{stage}: micro-batches of {tokens:,} tokens fit this GPU: ~"
+           f"{planned_memory(config, tokens, logits_chunk, extra_bytes) / GIB:.1f} GiB of {gpu_bytes / GIB:.1f} GiB "
+           "planned (model.training_memory; --device-batch-tokens overrides)")
+    return tokens
+
+
+def model_size(config):
+    """(parameters, training FLOPs per token) of a GPT of this config (GPT.flops_per_token), built on the meta
+    device: shapes only, no memory."""
+    from model import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+    return model.num_params(), model.flops_per_token()
+
+
+def kv_cache_bytes(config, rows, positions, dtype_bytes=2):
+    """Bytes of the engine's KV cache (engine.KVCache) for `rows` rows of `positions` slots: keys and values of every
+    layer, (rows, positions, n_kv_head, head_dim) each, in the compute dtype (bf16 under autocast: 2 bytes)."""
+    head_dim = config.n_embd // config.n_head
+    return 2 * config.n_layer * rows * positions * config.n_kv_head * head_dim * dtype_bytes
+
+
+def stage_plan(stage, preset, config, micro_batch_tokens, logits_chunk, train_tokens=0, flops_per_token=0.0,
+               mfu=ASSUMED_MFU["post-training"], decode_tokens=0, extra_bytes=0, note=""):
+    """
+    One stage's budget on HARDWARE[preset]: training FLOPs = train_tokens x flops_per_token at `mfu` of every GPU's
+    peak, plus decode_tokens generated at the assumed decode rate, over all the GPUs; peak memory per GPU =
+    planned_memory at the micro-batch. Returns a dict (minutes, peak_gib, fits, ...) for print_plan and plan.py.
+    """
+    hw = HARDWARE[preset]
+    peak = planned_memory(config, micro_batch_tokens, logits_chunk, extra_bytes)
+    plan = dict(stage=stage, preset=preset, hardware=hw["name"], tokens=train_tokens, flops=train_tokens *
+                flops_per_token, mfu=mfu, decode_tokens=decode_tokens, micro_batch_tokens=micro_batch_tokens,
+                peak_gib=peak / GIB, fits=peak <= MEMORY_MARGIN * hw["memory"], note=note)
+    plan["minutes"] = plan_minutes(plan, hw)
+    return plan
+
+
+def plan_minutes(plan, hardware):
+    """Minutes of a stage_plan on `hardware` (a HARDWARE-like dict): FLOPs at the plan's MFU of every GPU's peak,
+    plus its decoded tokens at the assumed decode rate, the work split evenly over the GPUs."""
+    seconds = plan["flops"] / (hardware["gpus"] * hardware["peak_flops"] * plan["mfu"])
+    return (seconds + plan["decode_tokens"] / (hardware["gpus"] * hardware["decode_tokens_per_s"])) / 60
+
+
+def print_plan(plan):
+    """The budget line of a stage's --dry-run."""
+    rate = HARDWARE[plan["preset"]]["decode_tokens_per_s"]
+    decode = (f" + {plan['decode_tokens'] / 1e6:,.1f}M tokens decoded at {rate:,} tok/s/GPU (assumed)"
+              if plan["decode_tokens"] else "")
+    print0(f"plan on {plan['hardware']}: {plan['tokens'] / 1e6:,.1f}M tokens, {plan['flops']:.2e} FLOPs at "
+           f"{plan['mfu']:.0%} MFU (assumed){decode} = ~{plan['minutes']:.0f} min | peak "
+           f"{plan['peak_gib']:.1f} GiB per GPU at {plan['micro_batch_tokens']:,}-token micro-batches "
+           f"({'fits' if plan['fits'] else 'DOES NOT FIT'} {MEMORY_MARGIN:.0%} of "
+           f"{HARDWARE[plan['preset']]['memory'] / GIB:.1f} GiB)" + (f" | {plan['note']}" if plan["note"] else ""))

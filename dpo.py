@@ -4,7 +4,7 @@ length-normalised DPO, SimPO), from a hub preference set, the synthetic pairs, o
 generates itself and the task verifier labels.
 
     python dpo.py --preset tiny                     # CPU, minutes: self-generated pairs on synthetic problems
-    torchrun --nproc_per_node=8 dpo.py              # full: UltraFeedback-binarized, ~20-30 min on 8xH100
+    torchrun --nproc_per_node=8 dpo.py              # full: UltraFeedback-binarized, ~3 min on 8xH100 (estimate)
     torchrun --nproc_per_node=8 dpo.py --pairs self-generated --task gsm8k   # on-policy GSM8K pairs
     torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 dpo.py   # and node-rank=1
 
@@ -31,7 +31,7 @@ import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine
 from eval import evaluate_generative, self_generated_pairs
-from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
+from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
 from tasks import GSM8K, SyntheticTask, collate, preference_mixture, prepare_rows, render_pair, token_budget_batches
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo")
@@ -57,7 +57,7 @@ def resolve_loss_defaults(args):
 
 
 # Defaults per preset; explicit flags win.
-# full (8xH100, ~20-30 min for a depth-20 model): one epoch of UltraFeedback-binarized train_prefs (61k pairs, ~600
+# full (8xH100, plan(): ~3 min for a depth-20 model): one epoch of UltraFeedback-binarized train_prefs (61k pairs, ~600
 # tokens a side): a reference pass (forward only) plus a policy pass over ~75M tokens; micro-batches of 32,768 padded
 # positions (8 pairs of 2,048-token sides at most) need ~61 GiB per GPU with chunked logits (model.training_memory);
 # tiny: 8,192 = 16 pairs of the 256-token context, the old 16-pair micro-batch at its longest.
@@ -71,10 +71,35 @@ PRESETS = {
     "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=1024, eval_pairs=256, samples=8,
                  temperature=1.0, beta=0.1, sft_weight=1.0, lr_frac=0.03, batch_size=32, device_batch_tokens=8192,
                  epochs=1, eval_every=5, check_problems=256, check_samples=4, max_new_tokens=64, save_every=5),
+    # small (one 24 GB GPU, ~5 min): 20k UltraFeedback pairs with sides of <= 1,024 tokens, the full preset's batch.
+    "small": dict(pairs="ultrafeedback", task="gsm8k", train_pairs=20_000, eval_pairs=500, samples=8,
+                  temperature=1.0, beta=0.1, sft_weight=0.0, lr_frac=0.01, batch_size=256, device_batch_tokens=16384,
+                  epochs=1, eval_every=25, check_problems=250, check_samples=1, max_new_tokens=512, save_every=25),
     "full": dict(pairs="ultrafeedback", task="gsm8k", train_pairs=None, eval_pairs=1000, samples=8,
                  temperature=1.0, beta=0.1, sft_weight=0.0, lr_frac=0.01, batch_size=256, device_batch_tokens=32768,
                  epochs=1, eval_every=50, check_problems=500, check_samples=1, max_new_tokens=512, save_every=100),
 }
+# Tokens of one pass over each GPU preset's pairs (both sides), for the budget (plan); estimates: UltraFeedback's
+# sides average ~600 tokens (a dry run reads stand-in files and cannot count them).
+PLAN_TOKENS = {"small": 20e6, "full": 75e6}
+
+
+def plan(args, config):
+    """
+    The preset's budget (common.stage_plan): `epochs` passes of PLAN_TOKENS at 6N FLOPs per token plus the chunked
+    logits' second lm_head forward, plus the reference's forward (2N, precomputed or --live-reference), and the
+    accuracy check's answers before and after; memory at the largest micro-batch that fits the planned GPU, chunked
+    logits, plus the frozen reference's fp32 weights with --live-reference.
+    """
+    num_params, flops = common.model_size(config)
+    reference = 4 * num_params if getattr(args, "live_reference", False) else 0
+    micro = common.fit_batch_tokens("dpo", config, common.HARDWARE[args.preset]["memory"], args.device_batch_tokens,
+                                    2 * config.sequence_len, LOGITS_CHUNK_TOKENS, reference)
+    decode = 2 * args.check_problems * (1 + args.check_samples) * args.max_new_tokens
+    per_token = flops * 4 / 3 + 2 * config.n_embd * config.vocab_size
+    return common.stage_plan("dpo", args.preset, config, micro, LOGITS_CHUNK_TOKENS,
+                             args.epochs * PLAN_TOKENS[args.preset], per_token, decode_tokens=decode,
+                             extra_bytes=reference)
 
 
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta,
@@ -326,6 +351,7 @@ def main(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="build the model, pairs and optimizers, print the plan "
                         "and stop before the reference pass")
     args = parser.parse_args(argv)
+    fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
     filled = resolve_loss_defaults(args)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -348,6 +374,9 @@ def main(argv=None):
     # The SFT model is both the initial policy and the reference.
     model, tokenizer, sft_meta = common.load_model(args.ckpt or common.checkpoint_dir("sft"), device)
     max_seq_len = args.max_seq_len or model.config.sequence_len
+    args.device_batch_tokens = common.batch_tokens_for_device(
+        "dpo", None if fit_batch else args.device_batch_tokens, device, model.config, args.device_batch_tokens,
+        2 * max_seq_len, LOGITS_CHUNK_TOKENS, 4 * model.num_params() if args.live_reference else 0)
     pad_id = tokenizer.bos_id
     print0(f"loaded SFT model: {model.num_params():,} parameters; {args.loss_type} loss, beta {args.beta}, "
            f"pairs: {args.pairs}")
@@ -379,6 +408,8 @@ def main(argv=None):
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
     if args.dry_run:
+        if args.preset in common.HARDWARE:
+            common.print_plan(plan(args, model.config))
         print0("dry run: model, pairs and optimizers are built; stopping before the reference pass")
         compute_cleanup()
         return

@@ -75,6 +75,9 @@ PRESETS = {
     # bpb_tokens: the validation tokens of pretrain.py's presets, so the base checkpoint's bpb is its final val_bpb.
     "tiny": {"base_tasks": "bpb", "chat_tasks": "bpb,synthetic", "max_problems": 200, "max_tokens": 96,
              "bpb_tokens": 16384, "batch_size": 32},
+    # small: one 24 GB GPU; the first 400 problems of each task keep the generative ones to minutes.
+    "small": {"base_tasks": "bpb,arc-easy,arc-challenge,mmlu", "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu",
+              "max_problems": 400, "max_tokens": 512, "bpb_tokens": 10 * 131072, "batch_size": 32},
     "full": {"base_tasks": "bpb,arc-easy,arc-challenge,mmlu", "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu",
              "max_problems": None, "max_tokens": 512, "bpb_tokens": 10 * 524288, "batch_size": 32},
 }
@@ -878,7 +881,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Evaluate a checkpoint (bpb, multiple choice, pass@k) and render "
                                                  "the report card $NANOPOST_HOME/report.md.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                        help="tiny: synthetic data only, small budgets; full: hub tasks and full budgets")
+                        help="tiny: synthetic data only, small budgets; small (one GPU) and full: hub tasks")
     parser.add_argument("--stage", choices=STAGES, default="sft", help="which checkpoint to evaluate (default sft)")
     parser.add_argument("--ckpt", default=None, help="checkpoint folder (default: $NANOPOST_HOME/checkpoints/<stage>)")
     parser.add_argument("--compare", nargs="+", default=None, metavar="STAGE",

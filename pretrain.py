@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 import tasks
-from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute_cleanup, compute_init, exit_preempted,
-                    format_eta, get_base_dir, has_checkpoint, load_checkpoint, preempted, print0, resume_checkpoint,
-                    run_cli, save_checkpoint, synchronize)
+from common import (ASSUMED_MFU, HARDWARE, Logger, append_report, autocast_ctx, batch_tokens_for_device,
+                    checkpoint_dir, compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, format_eta,
+                    get_base_dir, has_checkpoint, load_checkpoint, model_size, preempted, print0, print_plan,
+                    resume_checkpoint, run_cli, save_checkpoint, stage_plan, synchronize)
 from engine import Engine
 from eval import evaluate_bpb
 from model import EMBEDDING_LR, GPT, MATRIX_LR, UNEMBEDDING_LR, GPTConfig
@@ -38,11 +39,19 @@ PRESETS = {
     # so the step count is set directly.
     "tiny": dict(data="synthetic", depth=4, max_seq_len=256, device_batch_size=8, total_batch_size=2048,
                  num_iterations=250, eval_every=25, eval_tokens=16384, sample_every=125, save_every=100, log_every=5),
-    # FineWeb-Edu (sample-10BT, ~10B tokens) on one 8xH100 node, ~2.5 h of a ~4 h speedrun. depth 20: n_embd 1280,
-    # 20 heads, 561M parameters with the 65536-token vocabulary, 3.49 GFLOPs/token. 15 tokens per parameter = 8.4B
-    # tokens = 16,050 steps of 524,288 tokens (32 rows x 2048 x 8 GPUs, no accumulation) = 2.9e19 FLOPs: 2.5 h at
-    # 42% MFU of 8 x 989 TFLOP/s. (Chinchilla's 20 tokens/param would need 11.2B tokens: more than sample-10BT
-    # holds, and 3.3 h.)
+    # FineWeb-Edu on one 24 GB GPU (plan(): ~75 min on an RTX 4090 at 40% MFU). depth 8: n_embd 512, 8 heads,
+    # 92M parameters (59M of them in matmuls; the 65,536-token embedding and lm_head are most of it), 0.40
+    # GFLOPs/token. 8 tokens per parameter = 0.74B tokens: compute-limited, below Chinchilla's 20 (which would take
+    # ~3 h). device_batch_size is the most rows a micro-batch may hold; on a GPU the largest that fits is chosen.
+    "small": dict(data="fineweb", depth=8, max_seq_len=1024, device_batch_size=16, total_batch_size=131072,
+                  target_param_data_ratio=8.0, num_iterations=None, eval_every=250, eval_tokens=10 * 131072,
+                  sample_every=1000, save_every=1000, log_every=10),
+    # FineWeb-Edu (sample-10BT, ~10B tokens) on one 8xH100 node (plan(): ~2.6 h of the ~3.7 h speedrun). depth 20:
+    # n_embd 1280, 20 heads, 561M parameters with the 65536-token vocabulary, 3.49 GFLOPs/token. 15 tokens per
+    # parameter = 8.4B tokens = 16,050 steps of 524,288 tokens = 2.9e19 FLOPs at 40% MFU of 8 x 989 TFLOP/s.
+    # (Chinchilla's 20 tokens/param would need 11.2B tokens: more than sample-10BT holds, and 3.4 h.) Rows per
+    # micro-batch: the largest of 32, 16, ... that fits the GPU by model.training_memory (eager, whole logits: an
+    # upper bound for the compiled step), 8 on an 80 GB GPU (~55 GiB), reaching 524,288 by accumulation.
     "full": dict(data="fineweb", depth=20, max_seq_len=2048, device_batch_size=32, total_batch_size=524288,
                  target_param_data_ratio=15.0, num_iterations=None, eval_every=250, eval_tokens=10 * 524288,
                  sample_every=2000, save_every=2000, log_every=1),
@@ -111,12 +120,36 @@ def training_texts(data, split, data_files=None):
     return texts
 
 
+def horizon(args, num_params):
+    """Optimizer steps: --num-iterations, else --target-param-data-ratio tokens per parameter."""
+    return args.num_iterations or round(args.target_param_data_ratio * num_params / args.total_batch_size)
+
+
+def plan(args, config):
+    """
+    The preset's budget on its planned hardware (common.stage_plan): the horizon's tokens plus the validation
+    passes (forward only: 1/3 of a training token's FLOPs) at the compiled step's MFU; memory with whole logits
+    (pretraining keeps them, logits_chunk=None) at the largest micro-batch that fits, which is an upper bound:
+    model.training_memory counts the tensors eager code keeps, and the compiled step keeps fewer.
+    """
+    num_params, flops_per_token = model_size(config)
+    steps = horizon(args, num_params)
+    tokens = steps * args.total_batch_size + (steps // max(args.eval_every, 1) + 1) * args.eval_tokens / 3
+    micro = fit_batch_tokens("pretraining", config, HARDWARE[args.preset]["memory"],
+                             args.device_batch_size * args.max_seq_len, args.max_seq_len, logits_chunk=None)
+    return stage_plan("base", args.preset, config, micro, None, tokens, flops_per_token, ASSUMED_MFU["pretrain"],
+                      note=f"{steps:,} steps, {steps * args.total_batch_size / num_params:.1f} tokens/parameter; "
+                           "memory: eager bound")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Pretrain the base model (see the module docstring).")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="fills the defaults below")
     parser.add_argument("--depth", type=int, help="number of layers; sets width, heads, lr scale and horizon")
     parser.add_argument("--max-seq-len", type=int, help="tokens per training row (context length)")
-    parser.add_argument("--device-batch-size", type=int, help="rows per forward pass on each process")
+    parser.add_argument("--device-batch-size", type=int, help="rows per forward pass on each process (default on a "
+                        "GPU: the largest of the preset's, half of it, ... that fits its memory by "
+                        "model.training_memory)")
     parser.add_argument("--total-batch-size", type=int, help="tokens per optimizer step over all processes "
                         "(reached by gradient accumulation)")
     parser.add_argument("--num-iterations", type=int, help="optimizer steps (default: from --target-param-data-ratio)")
@@ -145,6 +178,7 @@ def parse_args(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="print the plan, build the model and the data "
                         "pipeline, save the untrained model as a stand-in base checkpoint and stop (no training)")
     args = parser.parse_args(argv)
+    args.fit_batch = args.device_batch_size is None  # fit the rows to the GPU, up to the preset's
     for key, value in {**DEFAULTS, **PRESETS[args.preset]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -164,12 +198,15 @@ def main(argv=None):
     model = GPT(config).to(device)
     model.init_weights()
     num_params, flops_per_token = model.num_params(), model.flops_per_token()
+    if args.fit_batch and device.type == "cuda":
+        args.device_batch_size = batch_tokens_for_device("pretraining", None, device, config, args.device_batch_size
+                                                         * args.max_seq_len, args.max_seq_len, None) // args.max_seq_len
     tokens_per_micro_step = args.device_batch_size * args.max_seq_len * world_size
     if args.total_batch_size % tokens_per_micro_step:
         raise ValueError(f"--total-batch-size {args.total_batch_size} is not a multiple of device batch x seq len x "
                          f"processes = {tokens_per_micro_step}; change one of them")
     grad_accum = args.total_batch_size // tokens_per_micro_step
-    num_iterations = args.num_iterations or round(args.target_param_data_ratio * num_params / args.total_batch_size)
+    num_iterations = horizon(args, num_params)
     total_tokens = num_iterations * args.total_batch_size
     print0(f"model: depth {config.n_layer}, n_embd {config.n_embd}, {config.n_head} heads (kv {config.n_kv_head}), "
            f"vocab {config.vocab_size}, context {config.sequence_len}")
@@ -226,6 +263,8 @@ def main(argv=None):
     batches = tasks.pretraining_batches(tokenizer, train_texts, args.device_batch_size, args.max_seq_len, rank,
                                         world_size, start=data_position)
     if args.dry_run:
+        if args.preset in HARDWARE:
+            print_plan(plan(args, config))
         x, _, _ = next(batches)
         print0(f"dry run: the training pipeline yields rows of shape {tuple(x.shape)}; saving the untrained model "
                f"as a stand-in base checkpoint in {args.out} and stopping")

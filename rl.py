@@ -60,25 +60,61 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute_cleanup, compute_init, exit_preempted,
-                    format_eta, has_checkpoint, load_checkpoint, load_model, preempted, print0, resume_checkpoint,
-                    run_cli, save_checkpoint, synchronize)
+from common import (HARDWARE, Logger, append_report, autocast_ctx, batch_tokens_for_device, checkpoint_dir,
+                    compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, format_eta, has_checkpoint,
+                    kv_cache_bytes, load_checkpoint, load_model, model_size, preempted, print0, print_plan,
+                    resume_checkpoint, run_cli, save_checkpoint, stage_plan, synchronize)
 from engine import Engine, sampling_logprobs
 from eval import completion_text, evaluate_generative
-from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
-from tasks import GSM8K, SyntheticTask, UltraFeedbackPrompts, collate, completion_reward, pad_sequences, token_budget_batches
+from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
+from tasks import (GSM8K, SyntheticTask, UltraFeedbackPrompts, collate, completion_reward, pad_sequences,
+                   token_budget_batches)
 
 PRESETS = {
     # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
     # SFT model (7% pass@1), 0.3 collapsed the policy within 30 steps and 0.1 learned too slowly to show in 40.
     "tiny": dict(task="synthetic", train_size=5000, num_steps=50, prompts_per_step=16, group_size=8, max_tokens=48,
                  device_batch_tokens=8192, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128,
-                 eval_samples=8, save_every=25),
-    # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global.
-    "full": dict(task="gsm8k", train_size=None, num_steps=400, prompts_per_step=64, group_size=16, max_tokens=512,
+                 eval_samples=8, save_every=25, oversample=1.0),
+    # GSM8K on one 24 GB GPU (plan(): ~25 min): 32 prompts x 8 samples per step, 2x oversampled.
+    "small": dict(task="gsm8k", train_size=None, num_steps=40, prompts_per_step=32, group_size=8, max_tokens=512,
+                  device_batch_tokens=8192, lr_frac=0.05, warmup_steps=4, eval_every=20, eval_problems=200,
+                  eval_samples=8, save_every=20, oversample=2.0),
+    # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global; 2x oversampled, so that one
+    # sampling round usually finds 64 groups with contrast (plan(): ~50 min, rollout-bound: it assumes one round).
+    "full": dict(task="gsm8k", train_size=None, num_steps=200, prompts_per_step=64, group_size=16, max_tokens=512,
                  device_batch_tokens=16384, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400,
-                 eval_samples=8, save_every=50),
+                 eval_samples=8, save_every=50, oversample=2.0),
 }
+PLAN_PROMPT_TOKENS = 256  # a GSM8K prompt, rendered, is at most ~250 tokens: for the budget (plan)
+
+
+def plan(args, config):
+    """
+    The preset's budget (common.stage_plan). Rollouts dominate: each step decodes prompts x group_size x oversample
+    rows of max_tokens (the batch runs until its longest row ends), assuming ONE sampling round per step (dynamic
+    sampling adds a round whenever the oversampled groups hold too few with contrast), plus the held-out
+    evaluations; at HARDWARE's assumed decode rate. The learner: every kept row at prompt + max_tokens positions, 6N
+    FLOPs per token plus the chunked logits' second lm_head forward, a no-grad old-log-prob pass (2N) only when
+    --epochs or --minibatches > 1 (skipped otherwise), a reference pass (2N) with --kl-coef. Memory: the learner at
+    the largest micro-batch that fits, plus this rank's KV cache of a round (bf16) as if it were still held, plus
+    the reference model's fp32 weights with --kl-coef.
+    """
+    hw = HARDWARE[args.preset]
+    num_params, flops = model_size(config)
+    positions = PLAN_PROMPT_TOKENS + args.max_tokens
+    rows = args.prompts_per_step * args.group_size * args.oversample  # per step, all ranks
+    evals = args.num_steps // args.eval_every + 1
+    decode = args.num_steps * rows * args.max_tokens + evals * args.eval_problems * args.eval_samples * args.max_tokens
+    passes = args.epochs * (flops + 2 * config.n_embd * config.vocab_size)
+    passes += (flops / 3 if args.epochs > 1 or args.minibatches > 1 else 0) + (flops / 3 if args.kl_coef > 0 else 0)
+    tokens = args.num_steps * args.prompts_per_step * args.group_size * positions
+    extra = kv_cache_bytes(config, math.ceil(rows / hw["gpus"]), positions)
+    extra += 4 * num_params if args.kl_coef > 0 else 0
+    micro = fit_batch_tokens("rl", config, hw["memory"], args.device_batch_tokens, positions, LOGITS_CHUNK_TOKENS,
+                             extra)
+    return stage_plan("rl", args.preset, config, micro, LOGITS_CHUNK_TOKENS, tokens, passes, decode_tokens=decode,
+                      extra_bytes=extra, note=f"one sampling round per step, --oversample {args.oversample:g}")
 
 LOGP_FLOOR = -100.0  # log-probs are floored here: a token outside a top-k/top-p support (-inf) must not become NaN
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| and |log pi_trainer/pi_engine| are clamped here before exp(), as in verl:
@@ -630,9 +666,10 @@ def parse_args(argv=None):
     add("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
         help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
     add("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
-    add("--oversample", type=float, default=1.0,
+    add("--oversample", type=float,
         help="prompts per sampling round = oversample x the groups needed, all in one generate call; the first "
-             "groups with contrast are kept (e.g. 2-3 when most groups have none; 1: off)")
+             "groups with contrast are kept (e.g. 2-3 when most groups have none; 1: off; preset tiny 1, small and "
+             "full 2)")
     add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
     add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
     # advantages and loss
@@ -690,6 +727,7 @@ def parse_args(argv=None):
     add("--save-every", type=int, help="checkpoint every N steps, for --resume")
     add("--dry-run", action="store_true", help="build the model, optimizers and data, print the plan and stop")
     args = parser.parse_args(argv)
+    args.fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -777,7 +815,14 @@ def main(argv=None):
            f"KL {args.kl_coef} ({args.kl_placement}), mismatch {args.mismatch}; reward {args.reward}, advantage "
            f"{args.advantage}; prompts up to {longest_prompt} + {args.max_tokens} tokens "
            f"(model context {model.config.sequence_len})")
+    held = kv_cache_bytes(model.config, math.ceil(groups_per_rank * args.oversample) * args.group_size,
+                          longest_prompt + args.max_tokens) + (4 * model.num_params() if ref_model is not None else 0)
+    args.device_batch_tokens = batch_tokens_for_device("rl", None if args.fit_batch else args.device_batch_tokens,
+                                                       device, model.config, args.device_batch_tokens,
+                                                       longest_prompt + args.max_tokens, LOGITS_CHUNK_TOKENS, held)
     if args.dry_run:
+        if args.preset in HARDWARE:
+            print_plan(plan(args, model.config))
         print0("dry run: model, optimizers and data are built; stopping before the first rollout")
         compute_cleanup()
         return

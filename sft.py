@@ -2,7 +2,7 @@
 Supervised fine-tuning: teach the base model the chat format, to answer and to stop.
 
     python sft.py --preset tiny                     # CPU, minutes: synthetic conversations with calculator calls
-    torchrun --nproc_per_node=8 sft.py              # full: SmolTalk + GSM8K train, ~20-30 min on 8xH100
+    torchrun --nproc_per_node=8 sft.py              # full: SmolTalk + GSM8K train, ~6 min on 8xH100 (estimate)
     torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 sft.py   # node-rank=1 on the other
 
 Each conversation is rendered with Tokenizer.render_conversation; the loss is the cross-entropy of the tokens
@@ -47,23 +47,45 @@ from common import autocast_ctx, compute_cleanup, compute_init, format_eta, prin
 from engine import Engine
 from eval import PRESETS as EVAL_PRESETS
 from eval import completion_text, evaluate_bpb, evaluate_generative, validation_batches
-from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
+from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
                    extract_final_answer, prepare_rows, pretraining_batches, pretraining_texts, token_budget_batches)
 
 # Defaults per preset; explicit flags win.
-# full (8xH100, ~20-30 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k conversations,
-# ~200M tokens with padding) plus two of GSM8K train (15k); about 6 * N * tokens = 7e17 FLOPs, 10-15 min of compute
-# at 40% MFU, the rest padding and the final generation check. Micro-batches of 32,768 padded positions (16 rows of
+# full (8xH100, plan(): ~6 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k
+# conversations, ~200M tokens with padding) plus two of GSM8K train (15k); about 6 * N * tokens = 7e17 FLOPs at an
+# assumed 25% MFU, plus the final generation check. Micro-batches of 32,768 padded positions (16 rows of
 # 2,048) need ~61 GiB per GPU with chunked logits (model.training_memory). tiny: 4,096 = 16 rows of the 256-token
 # context, the old 16-row micro-batch at its longest.
 PRESETS = {
     "tiny": dict(train_rows=4000, batch_size=32, device_batch_tokens=4096, lr_frac=0.5, eval_every=25, eval_rows=256,
                  check_problems=256, check_samples=4, max_new_tokens=64, save_every=25, replay_frac=0.1),
+    # small (one 24 GB GPU, ~10 min): 50k SmolTalk conversations of <= 1,024 tokens + GSM8K, the full preset's
+    # optimizer batch; on a GPU each stage's micro-batch is the largest of the preset's, half of it, ... that fits.
+    "small": dict(train_rows=50_000, batch_size=512, device_batch_tokens=16384, lr_frac=0.02, eval_every=50,
+                  eval_rows=1000, check_problems=256, check_samples=4, max_new_tokens=512, save_every=50,
+                  replay_frac=0.0),
     "full": dict(train_rows=None, batch_size=512, device_batch_tokens=32768, lr_frac=0.02, eval_every=200,
                  eval_rows=2000, check_problems=256, check_samples=4, max_new_tokens=512, save_every=500,
                  replay_frac=0.0),
 }
+# Tokens of one pass over each GPU preset's hub data, for the budget (plan); estimates: smol-smoltalk averages
+# ~430 tokens a conversation, GSM8K ~250 (a dry run reads stand-in files and cannot count them).
+PLAN_TOKENS = {"small": 27e6, "full": 200e6}
+
+
+def plan(args, config):
+    """
+    The preset's budget (common.stage_plan): one pass of PLAN_TOKENS at 6N FLOPs per token plus the chunked
+    logits' second lm_head forward (2 n_embd V), and the generation check's greedy and sampled answers; memory at the
+    largest micro-batch that fits the planned GPU, chunked logits.
+    """
+    flops = common.model_size(config)[1] + 2 * config.n_embd * config.vocab_size
+    micro = common.fit_batch_tokens("sft", config, common.HARDWARE[args.preset]["memory"], args.device_batch_tokens,
+                                    config.sequence_len, LOGITS_CHUNK_TOKENS)
+    decode = args.check_problems * (2 + args.check_samples) * args.max_new_tokens
+    return common.stage_plan("sft", args.preset, config, micro, LOGITS_CHUNK_TOKENS, PLAN_TOKENS[args.preset], flops,
+                             decode_tokens=decode)
 
 
 def sft_mixture(preset, split, rows, seed=0):
@@ -278,6 +300,7 @@ def main(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="build the model, data and optimizers, print the plan "
                         "and stop before the first forward pass")
     args = parser.parse_args(argv)
+    fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -298,6 +321,9 @@ def main(argv=None):
 
     model, tokenizer, base_meta = common.load_model(args.ckpt or common.checkpoint_dir("base"), device)
     max_seq_len = args.max_seq_len or model.config.sequence_len
+    args.device_batch_tokens = common.batch_tokens_for_device("sft", None if fit_batch else args.device_batch_tokens,
+                                                              device, model.config, args.device_batch_tokens,
+                                                              max_seq_len, LOGITS_CHUNK_TOKENS)
     print0(f"loaded base: {model.num_params():,} parameters, sequence_len {model.config.sequence_len}, "
            f"vocab {tokenizer.vocab_size}; training on conversations of <= {max_seq_len} tokens")
 
@@ -343,6 +369,8 @@ def main(argv=None):
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
     if args.dry_run:
+        if args.preset in common.HARDWARE:
+            common.print_plan(plan(args, model.config))
         print0("dry run: model, data and optimizers are built; stopping before the first forward pass")
         compute_cleanup()
         return

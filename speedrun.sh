@@ -2,7 +2,10 @@
 # nanopost speedrun: tokenizer -> base pretraining -> SFT -> DPO -> GRPO -> eval -> report card.
 #
 #   bash speedrun.sh              # no GPU: the tiny preset on synthetic data (2 CPU cores, ~20 minutes)
-#                                 # GPUs:   the full preset with torchrun on every GPU (~4 hours on 8xH100)
+#                                 # one GPU: the small preset (~2 hours on a 24 GB card)
+#                                 # 8 GPUs of >= 80 GB: the full preset with torchrun (~3.7 hours on 8xH100)
+#   PRESET=small bash speedrun.sh # override the choice
+#   bash speedrun.sh --choose     # only print the preset this machine gets, and why
 #   WANDB_RUN=name bash speedrun.sh   # also log every stage to Weights & Biases
 #   NANOPOST_HOME=/path bash speedrun.sh   # where tokenizer, checkpoints and report go (default ~/.cache/nanopost)
 #   bash speedrun.sh --rlhf       # tiny preset: SFT -> reward model (rm.py) -> RL from the reward model, + report rows
@@ -12,14 +15,33 @@
 # is skipped and reported), or exits at once if that checkpoint is marked finished. SIGTERM or Ctrl-C makes the
 # running stage save a checkpoint after its current step and exit with status 75; nothing is lost.
 #
-# The full preset (8xH100):
+# The GPU presets:
 #   data       `python tasks.py prepare`: FineWeb-Edu sample-10BT and the post-training sets into $NANOPOST_HOME/data
-#   tokenizer  65,536 tokens, BPE on 2B characters of FineWeb-Edu                                 ~2 min
-#   base       depth 20 (~560M parameters), 15 tokens per parameter (8.4B tokens) of FineWeb-Edu   ~2.5 h
-#   SFT        SmolTalk + GSM8K train (calculator calls rendered as tool use)                     ~20 min
-#   DPO        UltraFeedback-binarized preference pairs                                            ~20 min
-#   RL         GRPO on GSM8K train, verified by exact match of the '####' answer                   ~40 min
+#   tokenizer  65,536 tokens, BPE on 2B characters of FineWeb-Edu (CPU, ~2 min)
+#   base       full: depth 20 (561M parameters), 15 tokens/parameter (8.4B tokens); small: depth 8 (92M), 8 tokens/param
+#   SFT        SmolTalk + GSM8K train (calculator calls rendered as tool use)
+#   DPO        UltraFeedback-binarized preference pairs
+#   RL         GRPO on GSM8K train, verified by exact match of the '####' answer
 #   eval       val bpb, ARC/MMLU, GSM8K pass@1/pass@k, coverage SFT vs RL, report.md
+# The budget: `python plan.py --preset full|small`, from each stage's plan() (its --dry-run prints the same), not a
+# measurement: FLOPs at an assumed MFU (40% pretraining, 25% post-training), rollouts and evaluations at an assumed
+# decode rate (10,000 tokens/s per H100, 8,000 per 24 GB GPU), RL at one sampling round per step with --oversample 2
+# and no old-log-prob pass; peak memory from model.training_memory at the micro-batch that fits (pretraining: the
+# eager bound, the compiled step keeps less). Download and tokenizer come on top. tests/test_plan.py checks these lines.
+#   full preset on 8xH100 80GB: minutes, peak GiB per GPU
+#     base     157 min   54.8 GiB
+#     sft        6 min   61.2 GiB
+#     dpo        3 min   61.2 GiB
+#     rl        50 min   57.1 GiB
+#     eval       3 min   28.6 GiB
+#     total    220 min
+#   small preset on 1x RTX 4090 24GB: minutes, peak GiB per GPU
+#     base      76 min   14.6 GiB
+#     sft        7 min   11.0 GiB
+#     dpo        6 min   11.0 GiB
+#     rl        28 min   15.1 GiB
+#     eval       8 min    4.7 GiB
+#     total    126 min
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -37,7 +59,15 @@ if [ "${1:-}" = "--dry-run" ]; then
   python sft.py --preset full --dry-run --device cpu --ckpt "$BASE"
   python dpo.py --preset full --dry-run --device cpu --ckpt "$BASE"
   python rl.py --preset full --dry-run --device cpu --ckpt "$BASE"
-  echo "speedrun --dry-run: every stage of the full preset built its model and data pipeline"
+  # The small preset, planned for one 24 GB GPU: its own stand-in base (depth 8, 1,024-token context).
+  SMALL="$NANOPOST_HOME/checkpoints/base-small"
+  python pretrain.py --preset small --dry-run --device cpu --out "$SMALL"
+  python sft.py --preset small --dry-run --device cpu --ckpt "$SMALL"
+  python dpo.py --preset small --dry-run --device cpu --ckpt "$SMALL"
+  python rl.py --preset small --dry-run --device cpu --ckpt "$SMALL"
+  python plan.py --preset full
+  python plan.py --preset small
+  echo "speedrun --dry-run: every stage of the full and small presets built its model and data pipeline"
   exit 0
 fi
 
@@ -74,23 +104,32 @@ on_exit() {
 trap on_exit EXIT
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 RUN="${WANDB_RUN:-dummy}"
-NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
-if [ "$NGPU" -gt 0 ]; then
-  PRESET=full
-  LAUNCH=(torchrun --standalone --nproc_per_node="$NGPU")
-  echo "speedrun: $NGPU GPU(s) found -> full preset (hub data, torchrun on $NGPU processes)"
+# The preset from the GPUs found (plan.py --choose prints why; NANOPOST_FAKE_GPUS stubs the query in tests).
+read -r CHOSEN NPROC < <(python plan.py --choose)
+if [ -n "${PRESET:-}" ]; then
+  echo "speedrun: PRESET=$PRESET overrides the choice ($CHOSEN)"
 else
-  PRESET=tiny
-  LAUNCH=(python)
-  echo "speedrun: no GPU found -> tiny preset (offline synthetic data, CPU)"
+  PRESET=$CHOSEN
+fi
+case "$PRESET" in
+  tiny) LAUNCH=(python) ;;
+  small|full) LAUNCH=(torchrun --standalone --nproc_per_node="$([ "$NPROC" -gt 0 ] && echo "$NPROC" || echo 1)") ;;
+  *) echo "speedrun: PRESET must be tiny, small or full, got '$PRESET'" >&2; exit 1 ;;
+esac
+if [ "${1:-}" = "--choose" ]; then  # only say what would run here
+  echo "speedrun: preset $PRESET, launch: ${LAUNCH[*]}"
+  exit 0
 fi
 echo "speedrun: writing to $NANOPOST_HOME; wandb run: $RUN"
 STAGE_FLAGS=(--preset "$PRESET" --run "$RUN" --resume)
 
 if [ "$PRESET" != tiny ]; then
   # Hub data is downloaded once (resumable) and every stage reads it from disk: each rank its own row groups.
+  # The small preset reads ~0.75B tokens: 2 of sample-10BT's ~0.7B-token files are enough.
   export NANOPOST_DATA_DIR="${NANOPOST_DATA_DIR:-$NANOPOST_HOME/data}"
-  python tasks.py prepare --dest "$NANOPOST_DATA_DIR"
+  SHARDS=()
+  [ "$PRESET" = small ] && SHARDS=(--fineweb-shards 2)
+  python tasks.py prepare --dest "$NANOPOST_DATA_DIR" "${SHARDS[@]}"
 fi
 
 if [ -f "$NANOPOST_HOME/tokenizer/tokenizer.json" ]; then
@@ -106,7 +145,7 @@ fi
 for STAGE in base sft dpo rl; do
   "${LAUNCH[@]}" eval.py --preset "$PRESET" --stage "$STAGE"
 done
-COVERAGE_TASK=$([ "$PRESET" = full ] && echo gsm8k || echo synthetic)
+COVERAGE_TASK=$([ "$PRESET" = tiny ] && echo synthetic || echo gsm8k)
 "${LAUNCH[@]}" eval.py --preset "$PRESET" --compare sft rl --num-samples 8 --k 1,8 --tasks "$COVERAGE_TASK"
 echo "speedrun: done. Report card: $NANOPOST_HOME/report.md"
 echo "speedrun: chat with the result: python engine.py --ckpt $NANOPOST_HOME/checkpoints/rl"

@@ -311,7 +311,8 @@ def token_budget_batches(row_lengths, max_tokens):
 
 def pretraining_texts(preset, split, max_chars=None):
     """
-    Text documents for tokenizer training and pretraining: the synthetic corpus for `tiny`, FineWeb-Edu for `full`.
+    Text documents for tokenizer training and pretraining: the synthetic corpus for `tiny`, FineWeb-Edu for `small`
+    and `full`.
     Stops once `max_chars` characters have been yielded (None: the whole split, as fineweb_texts returns it).
     """
     if split not in ("train", "val"):
@@ -319,10 +320,10 @@ def pretraining_texts(preset, split, max_chars=None):
     if preset == "tiny":  # the synthetic 'val' documents are built from the held-out 'test' problems
         texts = synthetic_documents(20_000 if split == "train" else 1_000, seed=0,
                                     split="train" if split == "train" else "test")
-    elif preset == "full":
+    elif preset in ("small", "full"):
         texts = fineweb_texts(split)
     else:
-        raise ValueError(f"unknown preset {preset!r}; expected 'tiny' or 'full'")
+        raise ValueError(f"unknown preset {preset!r}; expected 'tiny', 'small' or 'full'")
     return texts if max_chars is None else first_chars(texts, max_chars)
 
 

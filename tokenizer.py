@@ -328,6 +328,7 @@ class Tokenizer:
 PRESETS = {
     # The synthetic corpus has a small vocabulary of words: it saturates near 600 tokens (train() warns if asked for more).
     "tiny": {"vocab_size": 512, "max_chars": 10_000_000},
+    "small": {"vocab_size": 65536, "max_chars": 2_000_000_000},  # the full preset's tokenizer: same data, same cost
     "full": {"vocab_size": 65536, "max_chars": 2_000_000_000},
 }
 EVAL_CHARS = 10_000_000  # held-out text for bytes/token: plenty for a stable estimate, seconds to encode
