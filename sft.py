@@ -28,8 +28,8 @@ from common import autocast_ctx, compute_cleanup, compute_init, format_eta, prin
 from engine import Engine
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
-from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
-                   extract_final_answer, prepare_rows)
+from tasks import (GSM8K, NgramIndex, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture,
+                   collate, evaluation_texts, extract_final_answer, prepare_rows)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, ~20-30 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k conversations,
@@ -38,9 +38,9 @@ from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, S
 # logits (16 x 2048 x 65536 x 4 bytes = 8.6 GB) and their gradient well inside 80 GB.
 PRESETS = {
     "tiny": dict(train_rows=4000, batch_size=32, device_batch_size=16, lr_frac=0.5, eval_every=25, eval_rows=256,
-                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=25),
+                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=25, decontaminate=False),
     "full": dict(train_rows=None, batch_size=512, device_batch_size=16, lr_frac=0.02, eval_every=200, eval_rows=2000,
-                 check_problems=256, check_samples=4, max_new_tokens=512, save_every=500),
+                 check_problems=256, check_samples=4, max_new_tokens=512, save_every=500, decontaminate=True),
 }
 
 
@@ -197,6 +197,9 @@ def main(argv=None):
     parser.add_argument("--check-samples", type=int, help="samples per problem for pass@1 at temperature 1")
     parser.add_argument("--max-new-tokens", type=int, help="longest answer generated in the check")
     parser.add_argument("--save-every", type=int, help="save a resumable checkpoint every this many steps (0: never)")
+    parser.add_argument("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
+                        help="drop training rows that overlap an evaluation set in use (tasks.NgramIndex: a shared "
+                             "13-gram of normalised words); default on for full, off for tiny (split by question hash)")
     parser.add_argument("--dry-run", action="store_true", help="build the model, data and optimizers, print the plan "
                         "and stop before the first forward pass")
     args = parser.parse_args(argv)
@@ -226,7 +229,8 @@ def main(argv=None):
     val_mix = sft_mixture(args.preset, "test", args.eval_rows, seed=args.seed)
     print0(f"train mixture:\n{train_mix.summary()}\nheld-out mixture:\n{val_mix.summary()}")
     render = partial(render_for_sft, tokenizer, max_seq_len=max_seq_len)
-    train_rows, skipped = prepare_rows(train_mix, render, range(rank, len(train_mix), world_size))
+    index = NgramIndex(evaluation_texts(args.preset)) if args.decontaminate else None
+    train_rows, skipped = prepare_rows(train_mix, render, range(rank, len(train_mix), world_size), index=index)
     val_rows, val_skipped = prepare_rows(val_mix, render, range(rank, len(val_mix), world_size))
     share = (skipped, val_skipped, len(train_rows), len(val_rows), sum(len(ids) for ids, _ in train_rows))
     shares = [share]  # what each rank prepared
