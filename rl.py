@@ -42,31 +42,34 @@ The default recipe (`--preset` only chooses data, sizes and learning rates; the 
 
 import argparse
 import hashlib
+import json
 import math
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from common import (Logger, append_report, autocast_ctx, checkpoint_dir, compute_cleanup, compute_init, format_eta,
-                    has_checkpoint, load_checkpoint, load_model, print0, save_checkpoint, synchronize)
+                    get_dist_info, has_checkpoint, load_checkpoint, load_model, print0, resolve_checkpoint,
+                    save_checkpoint, synchronize)
 from engine import Engine, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR
-from tasks import GSM8K, SyntheticTask, collate, completion_reward
+from tasks import GSM8K, NgramIndex, SyntheticTask, collate, completion_reward, evaluation_texts, row_texts
 
 PRESETS = {
     # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
     # SFT model (7% pass@1), 0.3 collapsed the policy within 30 steps and 0.1 learned too slowly to show in 40.
     "tiny": dict(task="synthetic", train_size=5000, num_steps=50, prompts_per_step=16, group_size=8, max_tokens=48,
                  device_batch_size=64, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128, eval_samples=8,
-                 save_every=25),
+                 save_every=25, decontaminate=False),
     # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global.
     "full": dict(task="gsm8k", train_size=None, num_steps=400, prompts_per_step=64, group_size=16, max_tokens=512,
                  device_batch_size=16, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400, eval_samples=8,
-                 save_every=50),
+                 save_every=50, decontaminate=True),
 }
 
 LOGP_FLOOR = -100.0  # log-probs are floored here: a token outside a top-k/top-p support (-inf) must not become NaN
@@ -311,7 +314,7 @@ def score_group(task, conversation, completions, tokenizer):
 
 
 def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed, filter_zero_contrast=True,
-                  max_rounds=4, overlong_buffer=0, rank=0, world_size=1):
+                  max_rounds=4, overlong_buffer=0, rank=0, world_size=1, temperature_of=None, on_group=None):
     """
     Roll out `num_groups` groups of `group_size` completions on this rank. Each round takes num_groups prompts of
     `task`, generates, scores, and keeps groups until num_groups are kept. The prompts of a whole step are one draw
@@ -330,6 +333,11 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
     Returns (groups, stats). A group is {"prompt": ids, "completions": [Completion], "rewards": [float] (shaped),
     "errors": [bool] (the verifier failed: no reward, left out of training by learner_rows)}; stats are sums over
     every sampled group, kept or not: the logs count the outcomes of filtered groups too.
+
+    temperature_of(conversation) -> float, optional (PTGS): each group's sampling temperature, drawn once before
+    generation; prompts of equal temperature share one generate call, and a kept group carries "temperature".
+    on_group(conversation, rewards, errors, kept), optional: called for every scored group, kept or dropped (the
+    per-source accounting and the PTGS posterior see the outcomes before zero-contrast groups are dropped).
     """
     tokenizer = engine.tokenizer
     draws = random.Random(seed).sample(range(len(task)), min(len(task), max_rounds * world_size * num_groups))
@@ -344,10 +352,21 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
             break
         conversations = [task[i] for i in indices]
         prompts = [tokenizer.render_for_completion(c) for c in conversations]
-        results = engine.generate(prompts, num_samples=group_size, max_tokens=max_tokens,
-                                  seed=mix_seed(seed, rank, round_index), **sampling)
+        if temperature_of is None:
+            temperatures = [sampling["temperature"]] * len(prompts)
+            results = engine.generate(prompts, num_samples=group_size, max_tokens=max_tokens,
+                                      seed=mix_seed(seed, rank, round_index), **sampling)
+        else:
+            temperatures = [temperature_of(c) for c in conversations]
+            results = [None] * len(prompts)
+            for t in sorted(set(temperatures)):
+                same = [i for i, ti in enumerate(temperatures) if ti == t]
+                out = engine.generate([prompts[i] for i in same], num_samples=group_size, max_tokens=max_tokens,
+                                      seed=mix_seed(seed, rank, round_index, t), **{**sampling, "temperature": t})
+                for i, completions in zip(same, out):
+                    results[i] = completions
         stats["rounds"] += 1
-        for conversation, prompt, completions in zip(conversations, prompts, results):
+        for conversation, prompt, completions, temperature in zip(conversations, prompts, results, temperatures):
             rewards, errors = score_group(task, conversation, completions, tokenizer)
             lengths = torch.tensor([len(c.tokens) for c in completions])
             shaped = torch.tensor(rewards)
@@ -364,9 +383,12 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
             stats["length_sum"] += int(lengths.sum())
             stats["length_max"] = max(stats["length_max"], int(lengths.max()))
             stats["truncated"] += sum(c.finish == "length" for c in completions)
-            if len(groups) < num_groups and not (filter_zero_contrast and zero_contrast):
+            kept = len(groups) < num_groups and not (filter_zero_contrast and zero_contrast)
+            if on_group is not None:
+                on_group(conversation, rewards, errors, kept)
+            if kept:
                 groups.append({"prompt": prompt, "completions": completions, "rewards": shaped.tolist(),
-                               "errors": errors})
+                               "errors": errors, **({"temperature": temperature} if temperature_of else {})})
         if len(groups) == num_groups:
             break
     return groups, stats
@@ -404,14 +426,18 @@ def collate_rollouts(rows, pad_id, device):
     """
     Micro-batch tensors of learner rows, aligned for next-token prediction (position t predicts ids[t + 1]):
     inputs, targets (B, T) from tasks.collate (target -1 where not trained), mask (B, T) float,
-    behavior (B, T) the engine's log-prob of targets[:, t], advantages (B,).
+    behavior (B, T) the engine's log-prob of targets[:, t], advantages (B,); rows with a fifth element, the
+    temperature their group was sampled at (PTGS), also give temperature (B,).
     """
-    inputs, targets = collate([(ids, mask) for ids, mask, _, _ in rows], pad_id)
+    inputs, targets = collate([(ids, mask) for ids, mask, *_ in rows], pad_id)
     behavior = torch.zeros(targets.shape)
-    for b, (ids, _, logprobs, _) in enumerate(rows):
+    for b, (ids, _, logprobs, *_) in enumerate(rows):
         behavior[b, :len(ids) - 1] = torch.tensor(logprobs[1:])
-    return {"inputs": inputs.to(device), "targets": targets.to(device), "mask": (targets >= 0).float().to(device),
-            "behavior": behavior.to(device), "advantages": torch.tensor([a for *_, a in rows]).to(device)}
+    micro = {"inputs": inputs.to(device), "targets": targets.to(device), "mask": (targets >= 0).float().to(device),
+             "behavior": behavior.to(device), "advantages": torch.tensor([row[3] for row in rows]).to(device)}
+    if rows and len(rows[0]) > 4:
+        micro["temperature"] = torch.tensor([row[4] for row in rows], dtype=torch.float32).to(device)
+    return micro
 
 
 def reference_sampling(sampling):
@@ -428,9 +454,14 @@ def token_logprobs(model, inputs, targets, sampling):
     """
     (logp, entropy), both (B, T): the log-prob of each target token under the distribution the engine samples
     from (engine.sampling_logprobs: same temperature, top-k, top-p) and that distribution's entropy (no gradient).
+    sampling["temperature"] may be a tensor (B,), one per row (PTGS): the logits are divided by it first, which is
+    what sampling_logprobs does with a scalar before its top-k/top-p cut.
     """
     with autocast_ctx(inputs.device):
         logits = model(inputs)  # (B, T, V) float32
+    if torch.is_tensor(sampling["temperature"]):
+        logits = logits.float() / sampling["temperature"][:, None, None]
+        sampling = {**sampling, "temperature": 1.0}
     logprobs = sampling_logprobs(logits, **sampling)  # (B, T, V)
     logp = logprobs.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1).clamp(min=LOGP_FLOOR)  # (B, T)
     entropy = torch.special.entr(logprobs.detach().exp()).sum(-1)  # (B, T); entr(0) = 0 where top-k/top-p cut
@@ -474,6 +505,175 @@ def load_task(name, split, size):
 
 
 # -----------------------------------------------------------------------------
+# RL systems (issue 13): task mixtures with per-source accounting, decontamination, difficulty filtering, PTGS
+
+
+def parse_task_mixture(spec):
+    """
+    '--task' as [(name, weight)]: 'synthetic' -> [('synthetic', 1.0)]; 'synthetic:1,gsm8k:2' -> two sources,
+    weights relative. Raises ValueError on an unknown name, a repeated one or a weight that is not > 0.
+    """
+    sources = []
+    for part in spec.split(","):
+        name, _, weight = part.strip().partition(":")
+        try:
+            weight = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"--task {spec!r}: weight {weight!r} of {name!r} is not a number") from None
+        if name not in ("synthetic", "gsm8k"):
+            raise ValueError(f"--task {spec!r}: unknown task {name!r}; expected synthetic or gsm8k (name:weight, ...)")
+        if not weight > 0 or name in dict(sources):
+            raise ValueError(f"--task {spec!r}: each task once, with a weight > 0 (got {name!r}: {weight})")
+        sources.append((name, weight))
+    return sources
+
+
+class PromptMixture:
+    """
+    The prompts of one or more tasks as one task: mixture[k] is a conversation with "source" (the task's name) and
+    "task_id" ('name/row', the recurring id PTGS keys on); reward() asks that source's verifier. Weights are
+    shares of the prompts: source s keeps the first floor(share_s * N) of its rows with N the largest total for
+    which no source repeats a row (so a step still never holds one prompt twice). One source keeps every row in
+    its own order: position k is row k, as with the task itself.
+    """
+
+    def __init__(self, sources):
+        self.tasks = {name: task for name, task, _ in sources}
+        total = sum(weight for _, _, weight in sources)
+        size = min(len(task) * total / weight for _, task, weight in sources)
+        self.rows = [(name, i) for name, task, weight in sources
+                     for i in range(len(task) if len(sources) == 1 else int(size * weight / total))]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, k):
+        name, i = self.rows[k]
+        return {**self.tasks[name][i], "source": name, "task_id": f"{name}/{i}"}
+
+    def reward(self, conversation, completion):
+        return self.tasks[conversation["source"]].reward(conversation, completion)
+
+    def keep(self, positions):
+        """The mixture restricted to `positions` (after decontamination or the difficulty filter)."""
+        kept = PromptMixture.__new__(PromptMixture)
+        kept.tasks, kept.rows = self.tasks, [self.rows[k] for k in positions]
+        return kept
+
+    def counts(self):
+        """{source name: prompts}."""
+        return {name: sum(source == name for source, _ in self.rows) for name in self.tasks}
+
+
+def decontaminate_prompts(mixture, index):
+    """(the mixture without prompts that overlap an evaluation set, {source: prompts dropped}); see tasks.NgramIndex."""
+    dirty = [index.contaminated(mixture[k]) for k in range(len(mixture))]
+    dropped = {name: sum(d and mixture.rows[k][0] == name for k, d in enumerate(dirty)) for name in mixture.tasks}
+    return mixture.keep([k for k, d in enumerate(dirty) if not d]), dropped
+
+
+def difficulty_keep(successes, n, low, high):
+    """
+    The difficulty filter's rule: keep a prompt whose success rate c / n over n samples lies strictly inside
+    (low, high). A prompt the start model always or never solves gives every group zero contrast, so no gradient.
+    successes: counts per prompt. Returns a list of bools.
+    """
+    if not 0 <= low < high <= 1:
+        raise ValueError(f"--difficulty-filter needs 0 <= LOW < HIGH <= 1, got {low} {high}")
+    return [low < c / n < high for c in successes]
+
+
+def difficulty_filter(engine, mixture, n, low, high, max_tokens, sampling, seed, cache):
+    """
+    Sample n answers to every prompt of the mixture with the starting checkpoint and keep those with
+    difficulty_keep. Prints the histogram of success counts and the kept count. The counts are cached in `cache`
+    (a json file whose name keys the checkpoint, task, n and sampling) and reused when it exists.
+    Returns (the kept mixture, the success counts).
+    """
+    if cache.exists():
+        successes = json.loads(cache.read_text())["successes"]
+        print0(f"difficulty filter: success counts of {len(successes)} prompts from {cache}")
+    else:
+        result = evaluate_generative(engine, mixture, list(range(len(mixture))), num_samples=n, ks=(1,),
+                                     max_tokens=max_tokens, seed=seed, label="difficulty filter", **sampling)
+        successes = result["correct"].tolist()
+        if get_dist_info()[1] == 0:
+            cache.write_text(json.dumps({"successes": successes}))
+    if len(successes) != len(mixture):
+        raise ValueError(f"{cache} holds {len(successes)} counts for {len(mixture)} prompts; delete it")
+    keep = difficulty_keep(successes, n, low, high)
+    histogram = Counter(successes)
+    print0("difficulty filter: successes out of {n}: ".format(n=n)
+           + " ".join(f"{c}:{histogram[c]}" for c in range(n + 1)))
+    print0(f"difficulty filter: kept {sum(keep)} of {len(mixture)} prompts with success rate in ({low}, {high})")
+    return mixture.keep([k for k, kept in enumerate(keep) if kept]), successes
+
+
+class TemperatureController:
+    """
+    PTGS, per-task exploration temperature. For each recurring task id it keeps discounted success and failure
+    counts, updated from a group's outcomes as  s <- gamma s + successes,  f <- gamma f + failures  (gamma = 1: plain
+    counts; 0: only the last group). Before a group is generated it draws p ~ Beta(a + s, b + f), with the prior
+    a = k q, b = k (1 - q) centred on the target success rate q (k = prior_strength), and maps the draw to
+
+        T = T_ref * tau ** ((q - p) / q)          if p <= q   (a hard task: up to T_ref * tau, explore more)
+        T = T_ref * tau ** ((q - p) / (1 - q))    if p > q    (an easy task: down to T_ref / tau, sharpen)
+
+    so T = T_ref at p = q. With q = 0.5, tau = 1.5, T_ref = 1 the draws 0.1, 0.5, 0.9 give 1.5^0.8 = 1.383,
+    1.000 and 1.5^-0.8 = 0.723. The state (counts and the RNG) goes into the checkpoint.
+    """
+
+    def __init__(self, target=0.5, tau=1.5, t_ref=1.0, gamma=0.9, prior_strength=2.0, seed=0):
+        if not 0 < target < 1 or not tau >= 1 or not t_ref > 0 or not 0 <= gamma <= 1 or not prior_strength > 0:
+            raise ValueError(f"PTGS needs 0 < q < 1, tau >= 1, T_ref > 0, 0 <= gamma <= 1, prior > 0; got q {target}, "
+                             f"tau {tau}, T_ref {t_ref}, gamma {gamma}, prior {prior_strength}")
+        self.target, self.tau, self.t_ref, self.gamma, self.prior_strength = target, tau, t_ref, gamma, prior_strength
+        self.counts = {}  # task id -> [s, f]
+        self.rng = random.Random(seed)
+
+    def temperature(self, p):
+        q = self.target
+        return self.t_ref * self.tau ** ((q - p) / (q if p <= q else 1 - q))
+
+    def draw(self, task_id):
+        s, f = self.counts.get(task_id, (0.0, 0.0))
+        a, b = self.prior_strength * self.target, self.prior_strength * (1 - self.target)
+        return self.temperature(self.rng.betavariate(a + s, b + f))
+
+    def update(self, task_id, successes, failures):
+        s, f = self.counts.get(task_id, (0.0, 0.0))
+        self.counts[task_id] = [self.gamma * s + successes, self.gamma * f + failures]
+
+    def state_dict(self):
+        return {"counts": self.counts, "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state):
+        self.counts = {k: list(v) for k, v in state["counts"].items()}
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+
+
+SOURCE_FIELDS = ("groups_dispatched", "groups_completed", "groups_kept", "valid_tokens", "loss_mass")
+
+
+def source_tally(sources):
+    """Zeroed per-source counters, one flat key per (source, field): the same keys on every rank (reduce_tally)."""
+    return {f"source/{name}/{field}": 0.0 for name in sources for field in SOURCE_FIELDS}
+
+
+def account_kept_groups(tally, groups, sources, group_size, adv_scale, adv_baseline, mask_truncated):
+    """
+    Per source, the kept groups' valid tokens (mask 1) and their loss mass: sum over valid tokens of |A|, the
+    weight each source has in the token-mean policy gradient. Adds to tally (source_tally keys).
+    """
+    for name in set(sources):
+        mine = [g for g, source in zip(groups, sources) if source == name]
+        for _, mask, _, advantage in learner_rows(mine, group_size, adv_scale, adv_baseline, mask_truncated):
+            tally[f"source/{name}/valid_tokens"] += sum(mask)
+            tally[f"source/{name}/loss_mass"] += abs(advantage) * sum(mask)
+
+
+# -----------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
@@ -488,7 +688,22 @@ def parse_args(argv=None):
     add("--out", default=None, help="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)")
     add("--resume", action="store_true", help="continue from the latest checkpoint in --out; exit if it is finished")
     # data and rollouts
-    add("--task", choices=["synthetic", "gsm8k"], help="training prompts and verifier; its held-out split is evaluated")
+    add("--task", help="training prompts and verifier: synthetic, gsm8k, or a weighted mixture 'synthetic:1,gsm8k:1' "
+                       "(weights are shares of the prompts; logs count each source apart); held-out splits evaluated")
+    add("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
+        help="drop training prompts that overlap an evaluation set in use (tasks.NgramIndex, 13-grams); default on "
+             "for full, off for tiny (the synthetic family is split by question hash)")
+    add("--difficulty-filter", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+        help="before RL, sample --difficulty-samples answers per training prompt with the start checkpoint and keep "
+             "prompts whose success rate is strictly inside (LOW, HIGH), e.g. 0.1 0.9 (cached in the checkpoint)")
+    add("--difficulty-samples", type=int, default=16, help="answers per prompt for --difficulty-filter")
+    add("--ptgs", action="store_true",
+        help="per-task sampling temperature (PTGS, see TemperatureController); the learner scores each group at its "
+             "temperature, around the pivot --temperature")
+    add("--ptgs-target", type=float, default=0.5, help="PTGS target success rate q (the prior's mean, the pivot)")
+    add("--ptgs-tau", type=float, default=1.5, help="PTGS temperature range: T in [T_ref / tau, T_ref * tau]")
+    add("--ptgs-gamma", type=float, default=0.9, help="PTGS discount of a task's past successes and failures")
+    add("--ptgs-prior", type=float, default=2.0, help="PTGS prior strength k: Beta(k q, k (1 - q))")
     add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
     add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
     add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
@@ -583,9 +798,18 @@ def main(argv=None):
     print0(f"model: {model.num_params():,} parameters from {out if resume else ckpt} on {device}, {world_size} rank(s)")
 
     # Data: training prompts and the held-out problems.
-    train_task = load_task(args.task, "train", args.train_size)
-    test_task = load_task(args.task, "test", args.eval_problems)
+    sources = parse_task_mixture(args.task)
+    train_task = PromptMixture([(name, load_task(name, "train", args.train_size), w) for name, w in sources])
+    test_task = PromptMixture([(name, load_task(name, "test", args.eval_problems), w) for name, w in sources])
     eval_indices = list(range(min(args.eval_problems, len(test_task))))
+    decontaminated = {}
+    if args.decontaminate:  # against the preset's evaluation sets and the held-out problems evaluated here
+        index = NgramIndex(evaluation_texts(args.preset) + [text for i in range(len(test_task))
+                                                            for text in row_texts(test_task[i])[:1]])
+        train_task, decontaminated = decontaminate_prompts(train_task, index)
+        print0(f"decontamination: dropped training prompts per source {decontaminated}")
+    if len(sources) > 1:
+        print0(f"mixture: training prompts per source {train_task.counts()}")
     print0(f"task {args.task}: {len(train_task):,} training prompts, {len(eval_indices)} held-out problems; "
            f"{args.prompts_per_step} prompts x {args.group_size} samples per step ({groups_per_rank} prompts per rank)")
 
@@ -601,12 +825,31 @@ def main(argv=None):
         print0("dry run: model, optimizers and data are built; stopping before the first rollout")
         compute_cleanup()
         return
+    if args.difficulty_filter:  # computed once with the start checkpoint and cached in its folder
+        key = mix_seed(args.task, args.train_size, args.decontaminate, args.difficulty_samples, args.max_tokens,
+                       sorted(sampling.items()), args.seed)
+        cache = resolve_checkpoint(ckpt) / f"difficulty_{key:016x}.json"
+        if resume and not cache.exists():
+            raise ValueError(f"--difficulty-filter on resume needs the start checkpoint's counts {cache}; rerun from "
+                             "the start checkpoint without --resume")
+        with autocast_ctx(device):
+            train_task, _ = difficulty_filter(engine, train_task, args.difficulty_samples, *args.difficulty_filter,
+                                              args.max_tokens, sampling, mix_seed(args.seed, "difficulty"), cache)
+        if len(train_task) < args.prompts_per_step:
+            raise ValueError(f"the difficulty filter kept {len(train_task)} prompts, fewer than --prompts-per-step "
+                             f"{args.prompts_per_step}; widen (LOW, HIGH) or add prompts")
+    ptgs = None
+    if args.ptgs:
+        ptgs = TemperatureController(args.ptgs_target, args.ptgs_tau, args.temperature, args.ptgs_gamma,
+                                     args.ptgs_prior, seed=mix_seed(args.seed, "ptgs", rank))
     start_step, history = 0, []
     if resume:
         _, _, extra = load_checkpoint(out, device=device)
         for optimizer, state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(state)
         start_step, history = extra["step"], extra["history"]
+        if ptgs is not None:
+            ptgs.load_state_dict(extra["ptgs"])
         print0(f"resuming at step {start_step}")
 
     def evaluate(step):
@@ -629,41 +872,67 @@ def main(argv=None):
         if rank != 0:
             return
         extra = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history}
+        if ptgs is not None:  # rank 0's controller (each rank keeps its own; its prompts differ)
+            extra["ptgs"] = ptgs.state_dict()
         save_checkpoint(out, step, model, {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
                                            "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=extra)
 
+    def row_sampling(micro):  # PTGS: a row is scored at the temperature its group was sampled at
+        return {**sampling, "temperature": micro["temperature"]} if "temperature" in micro else sampling
+
     t_start = time.time()
+    source_totals = Counter()  # per-source sums over this run's steps, for the report
     for step in range(start_step, args.num_steps):
         # 1-2. Rollout and score: this rank's groups, with dynamic sampling.
         synchronize(device)
         t0 = time.time()
+        by_source, kept_sources = source_tally(train_task.tasks), []
+
+        def on_group(conversation, rewards, errors, kept):
+            name = conversation["source"]
+            by_source[f"source/{name}/groups_dispatched"] += 1
+            by_source[f"source/{name}/groups_completed"] += 1  # synchronous: every dispatched group comes back
+            by_source[f"source/{name}/groups_kept"] += kept
+            if kept:
+                kept_sources.append(name)
+            if ptgs is not None:  # every scored group, before zero-contrast groups are dropped
+                valid = [r for r, error in zip(rewards, errors) if not error]
+                ptgs.update(conversation["task_id"], sum(r > 0 for r in valid), sum(r <= 0 for r in valid))
+
         with autocast_ctx(device):
             groups, rollout = sample_groups(engine, train_task, groups_per_rank, args.group_size, args.max_tokens,
                                             sampling, seed=mix_seed(args.seed, step),
                                             filter_zero_contrast=args.filter_zero_contrast,
                                             max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer,
-                                            rank=rank, world_size=world_size)
+                                            rank=rank, world_size=world_size, on_group=on_group,
+                                            temperature_of=(lambda c: round(ptgs.draw(c["task_id"]), 2)) if ptgs
+                                            else None)
+        account_kept_groups(by_source, groups, kept_sources, args.group_size, args.adv_scale, args.adv_baseline,
+                            args.mask_truncated)
         synchronize(device)
         t1 = time.time()
 
         # 3. Advantages; micro-batches of sequences, grouped into minibatches by prompt.
         minibatches = []
         for m in range(args.minibatches):
-            rows = learner_rows(groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches],
-                                args.group_size, args.adv_scale, args.adv_baseline, args.mask_truncated)
+            part = groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches]
+            rows = learner_rows(part, args.group_size, args.adv_scale, args.adv_baseline, args.mask_truncated)
+            if ptgs is not None:  # each row carries its group's temperature (collate_rollouts)
+                rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in part for _ in g["completions"]))]
             rows.sort(key=lambda row: len(row[0]))  # similar lengths share a micro-batch: less padding, same loss
             minibatches.append([collate_rollouts(rows[i:i + args.device_batch_size], pad_id, device)
                                 for i in range(0, len(rows), args.device_batch_size)])
 
         # 4a. Score the batch with the weights that sampled it: old log-probs, the engine/trainer gap, entropy,
         # the reference log-probs; and the global token/sequence counts the loss is averaged over.
-        tally = {**rollout, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0, "gap_sum": 0.0,
+        tally = {**rollout, **by_source, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0, "gap_sum": 0.0,
                  "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0,
                  "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf,
                  "ratio_max": -math.inf}  # the same keys on every rank: reduced across ranks below
         with torch.no_grad():
             for micro in (micro for mb in minibatches for micro in mb):
-                micro["old_logp"], entropy = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+                micro["old_logp"], entropy = token_logprobs(model, micro["inputs"], micro["targets"],
+                                                            row_sampling(micro))
                 mask = micro["mask"]
                 micro["weights"] = mismatch_weights(micro["old_logp"], micro["behavior"], args.mismatch, args.tis_cap,
                                                     args.mask_window)
@@ -675,7 +944,7 @@ def main(argv=None):
                 tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
                 if ref_model is not None:
                     micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"],
-                                                          reference_sampling(sampling))
+                                                          reference_sampling(row_sampling(micro)))
         per_minibatch = torch.tensor([[sum(float(m["mask"].sum()) for m in mb),
                                        sum(float((m["mask"].sum(-1) > 0).sum()) for m in mb)] for mb in minibatches],
                                      dtype=torch.float64, device=device)  # (minibatches, 2): tokens, sequences
@@ -694,7 +963,7 @@ def main(argv=None):
                 if count == 0:  # nothing to learn from on any rank (every group filtered or masked)
                     continue
                 for micro in minibatch:
-                    logp, _ = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+                    logp, _ = token_logprobs(model, micro["inputs"], micro["targets"], row_sampling(micro))
                     loss, stats = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["mask"],
                                               kind=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
                                               agg=args.loss_agg, dual_clip=args.dual_clip, weights=micro["weights"],
@@ -702,7 +971,7 @@ def main(argv=None):
                     num_tokens = float(micro["mask"].sum())
                     if ref_model is not None:
                         kl_logp = logp if reference_sampling(sampling) == sampling else token_logprobs(
-                            model, micro["inputs"], micro["targets"], reference_sampling(sampling))[0]
+                            model, micro["inputs"], micro["targets"], reference_sampling(row_sampling(micro)))[0]
                         kl = kl_penalty(kl_logp, micro["ref_logp"], args.kl_kind)  # (B, T)
                         loss = loss + args.kl_coef * aggregate(kl, micro["mask"], args.loss_agg,
                                                                max_len=args.max_tokens, count=count)
@@ -754,7 +1023,18 @@ def main(argv=None):
             metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
         if ref_model is not None:
             metrics["policy/kl"] = tally["kl_sum"] / loss_tokens
+        mass = sum(tally[f"source/{name}/loss_mass"] for name in train_task.tasks)
+        for name in train_task.tasks:  # per-source accounting: a fast or easy source cannot take over unseen
+            for field in SOURCE_FIELDS:
+                source_totals[f"{name}/{field}"] += tally[f"source/{name}/{field}"]
+                metrics[f"source/{name}/{field}"] = tally[f"source/{name}/{field}"]
+            metrics[f"source/{name}/loss_share"] = tally[f"source/{name}/loss_mass"] / max(mass, 1e-12)
         logger.log(metrics, step=step + 1)
+        if len(train_task.tasks) > 1:
+            print0("  sources: " + " | ".join(
+                f"{name} dispatched {metrics[f'source/{name}/groups_dispatched']:.0f} kept "
+                f"{metrics[f'source/{name}/groups_kept']:.0f} tokens {metrics[f'source/{name}/valid_tokens']:.0f} "
+                f"loss share {metrics[f'source/{name}/loss_share']:.2f}" for name in train_task.tasks))
         elapsed = time.time() - t_start
         eta = elapsed / (step + 1 - start_step) * (args.num_steps - step - 1)
         print0(f"step {step + 1}/{args.num_steps} | reward {metrics['reward/mean']:.3f} "
@@ -782,7 +1062,9 @@ def main(argv=None):
                    "pass@1_before": before["pass@1"], "pass@1": after["pass@1"],
                    f"{k}_before": before[k], k: after[k], "eval_problems": len(eval_indices),
                    "truncated": after.get("truncated"), "verifier_errors": after["errors"],
-                   "eval_samples": args.eval_samples, "seconds": time.time() - t_start})
+                   "eval_samples": args.eval_samples, "seconds": time.time() - t_start,
+                   "sources": dict(source_totals), "decontaminated": decontaminated, "ptgs": args.ptgs,
+                   "train_prompts": len(train_task)})
     logger.finish()
     compute_cleanup()
 
