@@ -44,6 +44,7 @@ import argparse
 import hashlib
 import json
 import math
+import queue
 import random
 import time
 from collections import Counter
@@ -394,6 +395,61 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
     return groups, stats
 
 
+def _rollout_worker(ckpt, device, num_threads, task, sample_kwargs, jobs, results):
+    """The rollout process: its own copy of the model; one job = one step's groups with the weights it was sent."""
+    torch.set_num_threads(num_threads)
+    model, tokenizer, _ = load_model(ckpt, device)
+    engine = Engine(model, tokenizer)
+    while (job := jobs.get()) is not None:
+        step, version, state, seed = job
+        model.load_state_dict(state)
+        records = []  # (source, kept) of every scored group: the learner's per-source accounting
+        t0 = time.time()
+        with autocast_ctx(device):
+            groups, stats = sample_groups(engine, task, seed=seed, **sample_kwargs,
+                                          on_group=lambda c, rewards, errors, kept: records.append((c["source"], kept)))
+        for group in groups:
+            group["version"] = version
+        results.put((step, version, groups, stats, records, time.time() - t0))
+
+
+class RolloutWorker:
+    """
+    Overlapped rollouts (--async; AReaL, Fu et al. 2025; verl's one-step off-policy mode): a separate process with
+    its own copy of the model generates the groups of a step while the learner updates on the previous ones.
+    submit(step, model) sends the learner's current weights (policy version = the number of updates behind them)
+    and asks for step's groups; result() waits for the next batch. Every group records the version that sampled it,
+    its completions the behavior log-probs of that version, so the learner's mismatch correction (mismatch_weights:
+    pi_learner / pi_behavior, truncated) covers the staleness as it covers the engine/trainer gap. With delay 1 the
+    loop submits step k + 1 with the weights of step k before it updates on step k; with delay 0 after the update:
+    the same batches as the synchronous loop, only in another process.
+    """
+
+    def __init__(self, ckpt, device, task, sample_kwargs):
+        context = torch.multiprocessing.get_context("spawn")
+        self.jobs, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=_rollout_worker, daemon=True,
+                                       args=(str(ckpt), str(device), torch.get_num_threads(), task, sample_kwargs,
+                                             self.jobs, self.results))
+        self.process.start()
+
+    def submit(self, step, version, model, seed):
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self.jobs.put((step, version, state, seed))
+
+    def result(self):
+        while True:
+            try:
+                return self.results.get(timeout=10)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the rollout worker died (exit code {self.process.exitcode})") from None
+
+    def close(self):
+        self.jobs.put(None)
+        self.process.join(timeout=30)
+
+
 # -----------------------------------------------------------------------------
 # The learner's view of a rollout
 
@@ -704,6 +760,11 @@ def parse_args(argv=None):
     add("--ptgs-tau", type=float, default=1.5, help="PTGS temperature range: T in [T_ref / tau, T_ref * tau]")
     add("--ptgs-gamma", type=float, default=0.9, help="PTGS discount of a task's past successes and failures")
     add("--ptgs-prior", type=float, default=2.0, help="PTGS prior strength k: Beta(k q, k (1 - q))")
+    add("--async", dest="async_rollouts", action="store_true",
+        help="overlapped rollouts: a worker process generates step k + 1 with the weights of step k while the learner "
+             "updates on step k (one step off policy; see RolloutWorker)")
+    add("--async-delay", type=int, choices=(0, 1), default=1,
+        help="policy versions between sampler and learner under --async (0: no overlap, the synchronous batches)")
     add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
     add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
     add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
@@ -769,6 +830,9 @@ def parse_args(argv=None):
     if args.dual_clip is not None and not args.dual_clip > 1:
         raise ValueError(f"--dual-clip must be > 1 (the loss of a negative-advantage token is capped at -c A), "
                          f"got {args.dual_clip}")
+    if args.async_rollouts and args.ptgs:
+        raise ValueError("--async with --ptgs is not supported: the controller would draw in the worker from a "
+                         "posterior the learner updates; use one or the other")
     return args
 
 
@@ -880,6 +944,15 @@ def main(argv=None):
     def row_sampling(micro):  # PTGS: a row is scored at the temperature its group was sampled at
         return {**sampling, "temperature": micro["temperature"]} if "temperature" in micro else sampling
 
+    sample_kwargs = dict(num_groups=groups_per_rank, group_size=args.group_size, max_tokens=args.max_tokens,
+                         sampling=sampling, filter_zero_contrast=args.filter_zero_contrast,
+                         max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer, rank=rank,
+                         world_size=world_size)
+    worker = None
+    if args.async_rollouts:  # the worker loads the start checkpoint's tokenizer and model; weights come per job
+        worker = RolloutWorker(out if resume else ckpt, device, train_task, sample_kwargs)
+        worker.submit(start_step, start_step, model, mix_seed(args.seed, start_step))
+
     t_start = time.time()
     source_totals = Counter()  # per-source sums over this run's steps, for the report
     for step in range(start_step, args.num_steps):
@@ -899,14 +972,19 @@ def main(argv=None):
                 valid = [r for r, error in zip(rewards, errors) if not error]
                 ptgs.update(conversation["task_id"], sum(r > 0 for r in valid), sum(r <= 0 for r in valid))
 
-        with autocast_ctx(device):
-            groups, rollout = sample_groups(engine, train_task, groups_per_rank, args.group_size, args.max_tokens,
-                                            sampling, seed=mix_seed(args.seed, step),
-                                            filter_zero_contrast=args.filter_zero_contrast,
-                                            max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer,
-                                            rank=rank, world_size=world_size, on_group=on_group,
-                                            temperature_of=(lambda c: round(ptgs.draw(c["task_id"]), 2)) if ptgs
-                                            else None)
+        if worker is None:
+            with autocast_ctx(device):
+                groups, rollout = sample_groups(engine, train_task, seed=mix_seed(args.seed, step), **sample_kwargs,
+                                                on_group=on_group,
+                                                temperature_of=(lambda c: round(ptgs.draw(c["task_id"]), 2)) if ptgs
+                                                else None)
+        else:  # the batch the worker sampled with older weights; then, with delay 1, ask for the next one at once
+            _, version, groups, rollout, records, rollout_seconds = worker.result()
+            for source, kept in records:
+                on_group({"source": source}, [], [], kept)
+            ages = [step - group["version"] for group in groups] or [step - version]
+            if args.async_delay == 1 and step + 1 < args.num_steps:
+                worker.submit(step + 1, step, model, mix_seed(args.seed, step + 1))
         account_kept_groups(by_source, groups, kept_sources, args.group_size, args.adv_scale, args.adv_baseline,
                             args.mask_truncated)
         synchronize(device)
@@ -994,6 +1072,8 @@ def main(argv=None):
                 optimizer_steps += 1
         synchronize(device)
         t2 = time.time()
+        if worker is not None and args.async_delay == 0 and step + 1 < args.num_steps:
+            worker.submit(step + 1, step + 1, model, mix_seed(args.seed, step + 1))
 
         # Logs: rollout outcomes of every sampled group (filtered ones included), learner statistics, timings.
         tally = reduce_tally(tally, device)
@@ -1016,6 +1096,10 @@ def main(argv=None):
                    "mismatch/corrected_frac": tally["corrected"] / tokens,
                    "optim/steps": optimizer_steps, "time/rollout_s": t1 - t0, "time/learner_s": t2 - t1,
                    "time/rollout_tokens_per_s": tally["length_sum"] / max(t1 - t0, 1e-9)}
+        if worker is not None:  # rollout: the worker's generation time; idle: the learner waiting for it
+            metrics.update({"time/rollout_s": rollout_seconds, "time/idle_s": t1 - t0,
+                            "time/rollout_tokens_per_s": tally["length_sum"] / max(rollout_seconds, 1e-9),
+                            "policy/age_mean": sum(ages) / len(ages), "policy/age_max": max(ages)})
         if tally["loss_tokens"]:
             metrics.update({"policy/ratio_mean": tally["ratio_sum"] / loss_tokens,
                             "policy/ratio_min": tally["ratio_min"], "policy/ratio_max": tally["ratio_max"]})
@@ -1043,7 +1127,8 @@ def main(argv=None):
                f"| loss {metrics['policy/loss']:+.4f} "
                f"clip {metrics['policy/clip_low']:.3f}/{metrics['policy/clip_high']:.3f} "
                f"| entropy {metrics['policy/entropy']:.3f} | gap {metrics['mismatch/logp_gap_mean']:.1e} "
-               f"| rollout {t1 - t0:.1f}s {metrics['time/rollout_tokens_per_s']:.0f} tok/s, learn {t2 - t1:.1f}s "
+               f"| rollout {metrics['time/rollout_s']:.1f}s {metrics['time/rollout_tokens_per_s']:.0f} tok/s, "
+               f"learn {t2 - t1:.1f}s " + (f"idle {t1 - t0:.1f}s age {metrics['policy/age_max']:.0f} " if worker else "") +
                f"| ETA {format_eta(eta)}")
 
         # 5. Held-out evaluation and periodic checkpoints.
@@ -1054,6 +1139,8 @@ def main(argv=None):
         if not last and args.save_every and (step + 1) % args.save_every == 0:
             save(step + 1, finished=False)
 
+    if worker is not None:
+        worker.close()
     save(args.num_steps, finished=True)
     before, after = history[0], history[-1]
     k = f"pass@{args.eval_samples}"

@@ -230,3 +230,46 @@ def test_ptgs_run_resumes_with_its_controller(monkeypatch, tmp_path, checkpoint,
     for a, b in zip(resumed.state_dict().values(), final.state_dict().values()):
         torch.testing.assert_close(a, b)
     assert math.isfinite(float(next(iter(resumed.state_dict().values())).sum()))
+
+
+# -----------------------------------------------------------------------------
+# Overlapped rollouts
+
+
+def test_async_with_zero_delay_reproduces_synchronous_training(monkeypatch, tmp_path, checkpoint, capsys):  # noqa: F811
+    flags = ["--num-steps", "3", "--eval-every", "3"]
+    sync = run_rl(monkeypatch, tmp_path / "sync", checkpoint, *flags)
+    overlapped = run_rl(monkeypatch, tmp_path / "async", checkpoint, *flags, "--async", "--async-delay", "0")
+    assert "idle" in capsys.readouterr().out  # the worker process made the batches
+    a, _, _ = rl.load_model(sync, "cpu")
+    b, _, _ = rl.load_model(overlapped, "cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp_path, checkpoint, model, capsys):  # noqa: F811
+    # The worker on its own: the batch of a job carries the version it was sent and that version's log-probs.
+    task = rl.PromptMixture([("p", LengthParity(), 1.0)])
+    kwargs = dict(num_groups=2, group_size=3, max_tokens=6, sampling=dict(temperature=1.0, top_k=None, top_p=None),
+                  filter_zero_contrast=False)
+    newer = rl.load_model(checkpoint, "cpu")[0]
+    with torch.no_grad():
+        for p in newer.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    worker = rl.RolloutWorker(checkpoint, "cpu", task, kwargs)
+    try:
+        worker.submit(5, 4, model, seed=0)  # step 5's groups with the weights after 4 updates
+        step, version, groups, _, records, seconds = worker.result()
+    finally:
+        worker.close()
+    assert (step, version) == (5, 4) and all(g["version"] == 4 for g in groups) and len(records) == 2
+    rows = rl.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
+    batch = rl.collate_rollouts(rows, pad_id=0, device="cpu")
+    with torch.no_grad():
+        sampler, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], kwargs["sampling"])
+        learner, _ = rl.token_logprobs(newer, batch["inputs"], batch["targets"], kwargs["sampling"])
+    assert ((sampler - batch["behavior"]).abs() * batch["mask"]).max() < 1e-4  # the behavior log-probs: the sampler's
+    assert ((learner - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
+    # The loop: step 1 is sampled by the start weights (age 0), every later step by the weights one update older.
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "3", "--eval-every", "3", "--async")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split("age ")[1].split()[0] for line in lines] == ["0", "1", "1"]
