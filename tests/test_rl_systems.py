@@ -273,3 +273,6 @@ def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp
     run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "3", "--eval-every", "3", "--async")
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [line.split("age ")[1].split()[0] for line in lines] == ["0", "1", "1"]
+    # and the learner sees it: its log-probs differ from the behavior ones once the sampler is a version behind
+    gaps = [float(line.split("| gap ")[1].split()[0]) for line in lines]
+    assert gaps[0] < 1e-5 and min(gaps[1:]) > 1e-3
