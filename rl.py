@@ -850,6 +850,7 @@ def parse_args(argv=None):
     if args.dual_clip is not None and not args.dual_clip > 1:
         raise ValueError(f"--dual-clip must be > 1 (the loss of a negative-advantage token is capped at -c A), "
                          f"got {args.dual_clip}")
+    parse_task_mixture(args.task)  # a bad --task fails before any model is loaded
     if args.async_rollouts and args.ptgs:
         raise ValueError("--async with --ptgs is not supported: the controller would draw in the worker from a "
                          "posterior the learner updates; use one or the other")
