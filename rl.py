@@ -51,13 +51,21 @@ from the tiny DPO checkpoint, same seed, one sitting; pass@1 / pass@8 on 128 hel
                          words with a test story (another starting number).
     --difficulty-filter  before RL, n samples of each training prompt with the start checkpoint; keep the prompts
                          whose success rate is strictly inside (LOW, HIGH): always- and never-solved prompts only make
-                         zero-contrast groups. Cached in the checkpoint's folder. DIFFICULTY_RESULT
+                         zero-contrast groups. Cached in the checkpoint's folder. Tiny (512 prompts, 8 samples,
+                         (0.1, 0.9): 332 kept; the pass costs 369 s, 4096 completions): pass@1 0.965 vs 0.976
+                         unfiltered, pass@8 1.000 both. The tiny start model solves most prompts, so dynamic sampling
+                         already finds contrast: off.
     --ptgs               per-task exploration temperature (TemperatureController): each group is sampled, and scored
                          by the learner, at a temperature drawn from its prompt's discounted success posterior.
-                         PTGS_RESULT
+                         Tiny: pass@1 0.973 vs 0.976, pass@8 1.000 both, rollouts 1.37x slower (groups at different
+                         temperatures are separate engine calls); with 5000 prompts and 320 drawn in 20 steps a
+                         prompt rarely recurs, so its posterior stays the prior: off.
     --async              overlapped rollouts (RolloutWorker): a worker process samples step k + 1 with the weights
                          of step k while the learner updates on step k; truncated importance sampling (--mismatch tis)
-                         corrects the one-step staleness. ASYNC_RESULT
+                         corrects the one-step staleness. Tiny: pass@1 0.972 vs 0.976 synchronous, pass@8 1.000
+                         both; the 20 steps took 814 s vs 1244 s (1.53x) with policy age 1 and 185 s of learner idle,
+                         on a machine oversubscribed by other jobs, where a second process also gets a larger share of
+                         the cores: off until measured on an idle machine.
 """
 
 import argparse
