@@ -32,7 +32,8 @@ from common import autocast_ctx, compute_cleanup, compute_init, format_eta, prin
 from engine import Engine
 from eval import evaluate_generative, self_generated_pairs
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
-from tasks import GSM8K, SyntheticTask, collate, preference_mixture, prepare_rows, render_pair, token_budget_batches
+from tasks import (GSM8K, NgramIndex, SyntheticTask, collate, evaluation_texts, preference_mixture, prepare_rows,
+                   render_pair, token_budget_batches)
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo")
 # What a DPO step logs (means over the step's pairs), TRL's names.
@@ -70,14 +71,17 @@ PRESETS = {
     # '#### <answer>' line degenerates; with it, 94%. The rate is gentle on purpose, so that RL keeps headroom.
     "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=1024, eval_pairs=256, samples=8,
                  temperature=1.0, beta=0.1, sft_weight=1.0, lr_frac=0.03, batch_size=32, device_batch_tokens=8192,
-                 epochs=1, eval_every=5, check_problems=256, check_samples=4, max_new_tokens=64, save_every=5),
+                 epochs=1, eval_every=5, check_problems=256, check_samples=4, max_new_tokens=64, save_every=5,
+                 decontaminate=False),
     # small (one 24 GB GPU, ~5 min): 20k UltraFeedback pairs with sides of <= 1,024 tokens, the full preset's batch.
     "small": dict(pairs="ultrafeedback", task="gsm8k", train_pairs=20_000, eval_pairs=500, samples=8,
                   temperature=1.0, beta=0.1, sft_weight=0.0, lr_frac=0.01, batch_size=256, device_batch_tokens=16384,
-                  epochs=1, eval_every=25, check_problems=250, check_samples=1, max_new_tokens=512, save_every=25),
+                  epochs=1, eval_every=25, check_problems=250, check_samples=1, max_new_tokens=512, save_every=25,
+                  decontaminate=True),
     "full": dict(pairs="ultrafeedback", task="gsm8k", train_pairs=None, eval_pairs=1000, samples=8,
                  temperature=1.0, beta=0.1, sft_weight=0.0, lr_frac=0.01, batch_size=256, device_batch_tokens=32768,
-                 epochs=1, eval_every=50, check_problems=500, check_samples=1, max_new_tokens=512, save_every=100),
+                 epochs=1, eval_every=50, check_problems=500, check_samples=1, max_new_tokens=512, save_every=100,
+                 decontaminate=True),
 }
 # Tokens of one pass over each GPU preset's pairs (both sides), for the budget (plan); estimates: UltraFeedback's
 # sides average ~600 tokens (a dry run reads stand-in files and cannot count them).
@@ -280,9 +284,12 @@ def build_pairs(args, model, tokenizer, split, max_seq_len):
     """
     _, rank, _, world_size = common.get_dist_info()
     size = args.train_pairs if split == "train" else args.eval_pairs
+    index = NgramIndex(evaluation_texts(args.preset)) if args.decontaminate and split == "train" else None
     if args.pairs == "self-generated":
         task = eval_task(args.task, split, size, args.seed)
         indices = list(range(rank, len(task), world_size))
+        clean = [i for i in indices if index is None or not index.contaminated(task[i])]
+        contaminated, indices = len(indices) - len(clean), clean
         with autocast_ctx(model.lm_head.weight.device):
             pairs, counts = self_generated_pairs(Engine(model, tokenizer), task, indices,
                                                  args.samples, args.max_new_tokens, args.temperature,
@@ -290,12 +297,14 @@ def build_pairs(args, model, tokenizer, split, max_seq_len):
         fits = [max(len(chosen[0]), len(rejected[0])) <= max_seq_len for chosen, rejected in pairs]
         counts["too long"] = fits.count(False)
         counts["paired"] -= counts["too long"]
+        if index is not None:
+            counts["contaminated"] = contaminated
         pairs = [pair for pair, fit in zip(pairs, fits) if fit]
     else:
         mixture = preference_mixture(args.pairs, split, size, args.seed)
         print0(f"{split} mixture:\n{mixture.summary()}")
         pairs, skipped = prepare_rows(mixture, partial(render_pair, tokenizer, max_seq_len=max_seq_len),
-                                      range(rank, len(mixture), world_size))
+                                      range(rank, len(mixture), world_size), index=index)
         counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
         counts["paired"] = len(pairs)
     share = (counts, len(pairs), sum(len(chosen[0]) + len(rejected[0]) for chosen, rejected in pairs))
@@ -348,6 +357,9 @@ def main(argv=None):
     parser.add_argument("--check-samples", type=int, help="samples per problem for pass@1 at temperature 1")
     parser.add_argument("--max-new-tokens", type=int, help="longest generated answer")
     parser.add_argument("--save-every", type=int, help="save a resumable checkpoint every this many steps (0: never)")
+    parser.add_argument("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
+                        help="drop training prompts and pairs that overlap an evaluation set in use (tasks.NgramIndex: "
+                             "a shared 13-gram of normalised words); default on for full, off for tiny (split by hash)")
     parser.add_argument("--dry-run", action="store_true", help="build the model, pairs and optimizers, print the plan "
                         "and stop before the reference pass")
     args = parser.parse_args(argv)

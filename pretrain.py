@@ -38,14 +38,16 @@ PRESETS = {
     # (depth 4: n_embd 256, 4 heads). A few minutes on 2 CPU cores; far from the 20-tokens-per-parameter horizon,
     # so the step count is set directly.
     "tiny": dict(data="synthetic", depth=4, max_seq_len=256, device_batch_size=8, total_batch_size=2048,
-                 num_iterations=250, eval_every=25, eval_tokens=16384, sample_every=125, save_every=100, log_every=5),
+                 num_iterations=250, eval_every=25, eval_tokens=16384, sample_every=125, save_every=100, log_every=5,
+                 decontaminate=False),
     # FineWeb-Edu on one 24 GB GPU (plan(): ~75 min on an RTX 4090 at 40% MFU). depth 8: n_embd 512, 8 heads,
     # 92M parameters (59M of them in matmuls; the 65,536-token embedding and lm_head are most of it), 0.40
     # GFLOPs/token. 8 tokens per parameter = 0.74B tokens: compute-limited, below Chinchilla's 20 (which would take
     # ~3 h). device_batch_size is the most rows a micro-batch may hold; on a GPU the largest that fits is chosen.
     "small": dict(data="fineweb", depth=8, max_seq_len=1024, device_batch_size=16, total_batch_size=131072,
                   target_param_data_ratio=8.0, num_iterations=None, eval_every=250, eval_tokens=10 * 131072,
-                  sample_every=1000, save_every=1000, log_every=10),
+                  sample_every=1000, save_every=1000, log_every=10,
+                  decontaminate=True),
     # FineWeb-Edu (sample-10BT, ~10B tokens) on one 8xH100 node (plan(): ~2.6 h of the ~3.7 h speedrun). depth 20:
     # n_embd 1280, 20 heads, 561M parameters with the 65536-token vocabulary, 3.49 GFLOPs/token. 15 tokens per
     # parameter = 8.4B tokens = 16,050 steps of 524,288 tokens = 2.9e19 FLOPs at 40% MFU of 8 x 989 TFLOP/s.
@@ -54,7 +56,7 @@ PRESETS = {
     # upper bound for the compiled step), 8 on an 80 GB GPU (~55 GiB), reaching 524,288 by accumulation.
     "full": dict(data="fineweb", depth=20, max_seq_len=2048, device_batch_size=32, total_batch_size=524288,
                  target_param_data_ratio=15.0, num_iterations=None, eval_every=250, eval_tokens=10 * 524288,
-                 sample_every=2000, save_every=2000, log_every=1),
+                 sample_every=2000, save_every=2000, log_every=1, decontaminate=True),
 }
 # Defaults shared by both presets.
 DEFAULTS = dict(target_param_data_ratio=20.0, matrix_lr=MATRIX_LR, embedding_lr=EMBEDDING_LR,
@@ -170,6 +172,10 @@ def parse_args(argv=None):
     parser.add_argument("--sample-every", type=int, help="steps between greedy samples of fixed prompts (0: never)")
     parser.add_argument("--save-every", type=int, help="steps between resumable checkpoints (0: only the final one)")
     parser.add_argument("--log-every", type=int, help="steps between progress lines")
+    parser.add_argument("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
+                        help="skip documents that overlap an evaluation set in use (tasks.NgramIndex: a shared 13-gram "
+                             "of normalised words; each rank checks its own documents as it reads them); default on "
+                             "for full, off for tiny (the synthetic corpus is built from train-split problems only)")
     parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weight initialisation")
     parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no logging)")
@@ -260,8 +266,16 @@ def main(argv=None):
     # -------------------------------------------------------------------------
     # Data: this rank's documents packed into (B, T) rows; a fixed validation set
     train_texts = training_texts(args.data, "train", args.data_files)
+    index = tasks.NgramIndex(tasks.evaluation_texts(args.preset)) if args.decontaminate else None
+    contaminated = [0]  # documents skipped by this rank since this process started
+
+    def keep(text):
+        dirty = index.overlaps(text)
+        contaminated[0] += dirty
+        return not dirty
+
     batches = tasks.pretraining_batches(tokenizer, train_texts, args.device_batch_size, args.max_seq_len, rank,
-                                        world_size, start=data_position)
+                                        world_size, start=data_position, keep=keep if index else None)
     if args.dry_run:
         if args.preset in HARDWARE:
             print_plan(plan(args, config))
@@ -413,6 +427,12 @@ def main(argv=None):
         record["mfu"] = flops_per_token * average_tps / (peak * world_size)
     if device.type == "cuda":
         record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if index is not None:
+        dropped = torch.tensor(contaminated[0], device=device)
+        if is_ddp:
+            dist.all_reduce(dropped)
+        record["contaminated_docs"] = int(dropped)
+        print0(f"decontamination: skipped {int(dropped):,} documents that overlap an evaluation set")
     append_report(record)
     print0(f"done: val bpb {val_bpb:.4f}, train loss {loss_value}, {train_seconds:.0f}s of training")
     logger.finish()

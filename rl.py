@@ -48,43 +48,75 @@ The default recipe (`--preset` only chooses data, sizes and learning rates; the 
       (bf16 kernels, different batch shapes); on CPU fp32 the gap is ~0 and the weights are 1.
     - fully on-policy by default: one epoch, one minibatch, so the PPO ratio is 1 and clipping only matters when
       --epochs or --minibatches is raised (then, and only then, a no-grad pass scores the old log-probs first).
+
+Systems pieces of the frontier recipes (DAPO, verl, AReaL, PTGS), each a flag; measured on the tiny preset (20 steps
+from the tiny DPO checkpoint, same seed, one sitting; pass@1 / pass@8 on 128 held-out problems x 8 samples):
+    --task a:w,b:w       a weighted mixture of tasks (shares of the prompts, PromptMixture). Per source the logs
+                         count groups dispatched, completed and kept, valid tokens and the share of the loss mass
+                         (sum of |A| over its valid tokens), so an easy or fast source cannot silently take the batch.
+    --decontaminate      drop training prompts that share a 13-gram of normalised words with an evaluation set in use
+                         (tasks.NgramIndex; counted per source in the log and the report). On for full (hub data); off
+                         for tiny, whose synthetic family is split by a hash of the question: there 13-grams of the
+                         templated stories flag 66 of the 5000 training prompts, different problems that share 13
+                         words with a test story (another starting number).
+    --difficulty-filter  before RL, n samples of each training prompt with the start checkpoint; keep the prompts
+                         whose success rate is strictly inside (LOW, HIGH): always- and never-solved prompts only make
+                         zero-contrast groups. Cached in the checkpoint's folder. Tiny (512 prompts, 8 samples,
+                         (0.1, 0.9): 332 kept; the pass costs 369 s, 4096 completions): pass@1 0.965 vs 0.976
+                         unfiltered, pass@8 1.000 both. The tiny start model solves most prompts, so dynamic sampling
+                         already finds contrast: off.
+    --ptgs               per-task exploration temperature (TemperatureController): each group is sampled, and scored
+                         by the learner, at a temperature drawn from its prompt's discounted success posterior.
+                         Tiny: pass@1 0.973 vs 0.976, pass@8 1.000 both, rollouts 1.37x slower (groups at different
+                         temperatures are separate engine calls); with 5000 prompts and 320 drawn in 20 steps a
+                         prompt rarely recurs, so its posterior stays the prior: off.
+    --async              overlapped rollouts (RolloutWorker): a worker process samples step k + 1 with the weights
+                         of step k while the learner updates on step k; truncated importance sampling (--mismatch tis)
+                         corrects the one-step staleness. Tiny: pass@1 0.972 vs 0.976 synchronous, pass@8 1.000
+                         both; the 20 steps took 814 s vs 1244 s (1.53x) with policy age 1 and 185 s of learner idle,
+                         on a machine oversubscribed by other jobs, where a second process also gets a larger share of
+                         the cores: off until measured on an idle machine.
 """
 
 import argparse
 import hashlib
+import json
 import math
+import queue
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from common import (HARDWARE, Logger, append_report, autocast_ctx, batch_tokens_for_device, checkpoint_dir,
-                    compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, format_eta, has_checkpoint,
-                    kv_cache_bytes, load_checkpoint, load_model, model_size, preempted, print0, print_plan,
-                    resume_checkpoint, run_cli, save_checkpoint, stage_plan, synchronize)
+                    compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, format_eta, get_dist_info,
+                    has_checkpoint, kv_cache_bytes, load_checkpoint, load_model, model_size, preempted, print0,
+                    print_plan, resolve_checkpoint, resume_checkpoint, run_cli, save_checkpoint, stage_plan,
+                    synchronize)
 from engine import Engine, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
-from tasks import (GSM8K, SyntheticTask, UltraFeedbackPrompts, collate, completion_reward, pad_sequences,
-                   token_budget_batches)
+from tasks import (GSM8K, NgramIndex, SyntheticTask, UltraFeedbackPrompts, collate, completion_reward, evaluation_texts,
+                   pad_sequences, row_texts, token_budget_batches)
 
 PRESETS = {
     # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
     # SFT model (7% pass@1), 0.3 collapsed the policy within 30 steps and 0.1 learned too slowly to show in 40.
     "tiny": dict(task="synthetic", train_size=5000, num_steps=50, prompts_per_step=16, group_size=8, max_tokens=48,
                  device_batch_tokens=8192, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128,
-                 eval_samples=8, save_every=25, oversample=1.0),
+                 eval_samples=8, save_every=25, oversample=1.0, decontaminate=False),
     # GSM8K on one 24 GB GPU (plan(): ~25 min): 32 prompts x 8 samples per step, 2x oversampled.
     "small": dict(task="gsm8k", train_size=None, num_steps=40, prompts_per_step=32, group_size=8, max_tokens=512,
                   device_batch_tokens=8192, lr_frac=0.05, warmup_steps=4, eval_every=20, eval_problems=200,
-                  eval_samples=8, save_every=20, oversample=2.0),
+                  eval_samples=8, save_every=20, oversample=2.0, decontaminate=True),
     # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global; 2x oversampled, so that one
     # sampling round usually finds 64 groups with contrast (plan(): ~50 min, rollout-bound: it assumes one round).
     "full": dict(task="gsm8k", train_size=None, num_steps=200, prompts_per_step=64, group_size=16, max_tokens=512,
                  device_batch_tokens=16384, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400,
-                 eval_samples=8, save_every=50, oversample=2.0),
+                 eval_samples=8, save_every=50, oversample=2.0, decontaminate=True),
 }
 PLAN_PROMPT_TOKENS = 256  # a GSM8K prompt, rendered, is at most ~250 tokens: for the budget (plan)
 
@@ -445,7 +477,8 @@ def score_group(task, conversation, completions, tokenizer):
 
 
 def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed, filter_zero_contrast=True,
-                  max_rounds=4, overlong_buffer=0, rank=0, world_size=1, oversample=1.0):
+                  max_rounds=4, overlong_buffer=0, rank=0, world_size=1, oversample=1.0, temperature_of=None,
+                  on_group=None):
     """
     Roll out `num_groups` groups of `group_size` completions on this rank. Each round takes
     ceil(oversample * num_groups) prompts of `task`, generates all their groups in one Engine.generate call, scores
@@ -466,6 +499,11 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
     Returns (groups, stats). A group is {"prompt": ids, "completions": [Completion], "rewards": [float] (shaped),
     "errors": [bool] (the verifier failed: no reward, left out of training by learner_rows)}; stats are sums over
     every sampled group, kept or not: the logs count the outcomes of filtered groups too.
+
+    temperature_of(conversation) -> float, optional (PTGS): each group's sampling temperature, drawn once before
+    generation; prompts of equal temperature share one generate call, and a kept group carries "temperature".
+    on_group(conversation, rewards, errors, kept), optional: called for every scored group, kept or dropped (the
+    per-source accounting and the PTGS posterior see the outcomes before zero-contrast groups are dropped).
     """
     if oversample < 1:
         raise ValueError(f"oversample must be >= 1 (prompts per round = oversample x groups needed), "
@@ -484,10 +522,21 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
             break
         conversations = [task[i] for i in indices]
         prompts = [tokenizer.render_for_completion(c) for c in conversations]
-        results = engine.generate(prompts, num_samples=group_size, max_tokens=max_tokens,
-                                  seed=mix_seed(seed, rank, round_index), **sampling)
+        if temperature_of is None:
+            temperatures = [sampling["temperature"]] * len(prompts)
+            results = engine.generate(prompts, num_samples=group_size, max_tokens=max_tokens,
+                                      seed=mix_seed(seed, rank, round_index), **sampling)
+        else:
+            temperatures = [temperature_of(c) for c in conversations]
+            results = [None] * len(prompts)
+            for t in sorted(set(temperatures)):
+                same = [i for i, ti in enumerate(temperatures) if ti == t]
+                out = engine.generate([prompts[i] for i in same], num_samples=group_size, max_tokens=max_tokens,
+                                      seed=mix_seed(seed, rank, round_index, t), **{**sampling, "temperature": t})
+                for i, completions in zip(same, out):
+                    results[i] = completions
         stats["rounds"] += 1
-        for conversation, prompt, completions in zip(conversations, prompts, results):
+        for conversation, prompt, completions, temperature in zip(conversations, prompts, results, temperatures):
             rewards, errors = score_group(task, conversation, completions, tokenizer)
             lengths = torch.tensor([len(c.tokens) for c in completions])
             shaped = torch.tensor(rewards)
@@ -504,12 +553,70 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
             stats["length_sum"] += int(lengths.sum())
             stats["length_max"] = max(stats["length_max"], int(lengths.max()))
             stats["truncated"] += sum(c.finish == "length" for c in completions)
-            if len(groups) < num_groups and not (filter_zero_contrast and zero_contrast):
+            kept = len(groups) < num_groups and not (filter_zero_contrast and zero_contrast)
+            if on_group is not None:
+                on_group(conversation, rewards, errors, kept)
+            if kept:
                 groups.append({"prompt": prompt, "completions": completions, "rewards": shaped.tolist(),
-                               "errors": errors})
+                               "errors": errors, **({"temperature": temperature} if temperature_of else {})})
         if len(groups) == num_groups:
             break
     return groups, stats
+
+
+def _rollout_worker(ckpt, device, num_threads, task, sample_kwargs, jobs, results):
+    """The rollout process: its own copy of the model; one job = one step's groups with the weights it was sent."""
+    torch.set_num_threads(num_threads)
+    model, tokenizer, _ = load_model(ckpt, device)
+    engine = Engine(model, tokenizer)
+    while (job := jobs.get()) is not None:
+        step, version, state, seed = job
+        model.load_state_dict(state)
+        records = []  # (source, kept) of every scored group: the learner's per-source accounting
+        t0 = time.time()
+        with autocast_ctx(device):
+            groups, stats = sample_groups(engine, task, seed=seed, **sample_kwargs,
+                                          on_group=lambda c, rewards, errors, kept: records.append((c["source"], kept)))
+        for group in groups:
+            group["version"] = version
+        results.put((step, version, groups, stats, records, time.time() - t0))
+
+
+class RolloutWorker:
+    """
+    Overlapped rollouts (--async; AReaL, Fu et al. 2025; verl's one-step off-policy mode): a separate process with
+    its own copy of the model generates the groups of a step while the learner updates on the previous ones.
+    submit(step, version, model, seed) sends the learner's current weights (version: the number of updates behind
+    them) and asks for step's groups; result() waits for the next batch. Every group records the version that
+    sampled it (all its completions share it) and its completions the behavior log-probs of that version, so the learner's mismatch correction (mismatch_weights:
+    pi_learner / pi_behavior, truncated) covers the staleness as it covers the engine/trainer gap. With delay 1 the
+    loop submits step k + 1 with the weights of step k before it updates on step k; with delay 0 after the update:
+    the same batches as the synchronous loop, only in another process.
+    """
+
+    def __init__(self, ckpt, device, task, sample_kwargs):
+        context = torch.multiprocessing.get_context("spawn")
+        self.jobs, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=_rollout_worker, daemon=True,
+                                       args=(str(ckpt), str(device), torch.get_num_threads(), task, sample_kwargs,
+                                             self.jobs, self.results))
+        self.process.start()
+
+    def submit(self, step, version, model, seed):
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self.jobs.put((step, version, state, seed))
+
+    def result(self):
+        while True:
+            try:
+                return self.results.get(timeout=10)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the rollout worker died (exit code {self.process.exitcode})") from None
+
+    def close(self):
+        self.jobs.put(None)
+        self.process.join(timeout=30)
 
 
 # -----------------------------------------------------------------------------
@@ -546,14 +653,18 @@ def collate_rollouts(rows, pad_id, device):
     """
     Micro-batch tensors of learner rows, aligned for next-token prediction (position t predicts ids[t + 1]):
     inputs, targets (B, T) from tasks.collate (target -1 where not trained), mask (B, T) float,
-    behavior (B, T) the engine's log-prob of targets[:, t], advantages (B,).
+    behavior (B, T) the engine's log-prob of targets[:, t], advantages (B,); rows with a fifth element, the
+    temperature their group was sampled at (PTGS), also give temperature (B,).
     """
-    inputs, targets = collate([(ids, mask) for ids, mask, _, _ in rows], pad_id)
+    inputs, targets = collate([(ids, mask) for ids, mask, *_ in rows], pad_id)
     behavior = torch.zeros(targets.shape)
-    for b, (ids, _, logprobs, _) in enumerate(rows):
+    for b, (ids, _, logprobs, *_) in enumerate(rows):
         behavior[b, :len(ids) - 1] = torch.tensor(logprobs[1:])
-    return {"inputs": inputs.to(device), "targets": targets.to(device), "mask": (targets >= 0).float().to(device),
-            "behavior": behavior.to(device), "advantages": torch.tensor([a for *_, a in rows]).to(device)}
+    micro = {"inputs": inputs.to(device), "targets": targets.to(device), "mask": (targets >= 0).float().to(device),
+             "behavior": behavior.to(device), "advantages": torch.tensor([row[3] for row in rows]).to(device)}
+    if rows and len(rows[0]) > 4:
+        micro["temperature"] = torch.tensor([row[4] for row in rows], dtype=torch.float32).to(device)
+    return micro
 
 
 def reference_sampling(sampling):
@@ -571,15 +682,24 @@ def token_logprobs(model, inputs, targets, sampling):
     (logp, entropy), both (B, T): the log-prob of each target token under the distribution the engine samples
     from (engine.sampling_logprobs: same temperature, top-k, top-p) and that distribution's entropy (no gradient).
     Computed a chunk of positions at a time (GPT.chunked_logits): the (B, T, V) logits never exist whole.
+    sampling["temperature"] may be a tensor (B,), one per row (PTGS): the logits are divided by it first, which is
+    what sampling_logprobs does with a scalar before its top-k/top-p cut.
     """
-    def score(logits, target):  # (N, V), (N,)
+    row_temperature = ()
+    if torch.is_tensor(sampling["temperature"]):  # per row: expanded to every position, chunked like the targets
+        row_temperature = (sampling["temperature"].to(inputs.device, torch.float32)[:, None].expand(targets.shape),)
+        sampling = {**sampling, "temperature": 1.0}
+
+    def score(logits, target, *temperature):  # (N, V), (N,), optionally (N,)
+        if temperature:
+            logits = logits / temperature[0][:, None]
         logprobs = sampling_logprobs(logits, **sampling)  # (N, V)
         logp = logprobs.gather(-1, target.clamp(min=0)[:, None]).squeeze(-1).clamp(min=LOGP_FLOOR)  # (N,)
         entropy = torch.special.entr(logprobs.detach().exp()).sum(-1)  # (N,); entr(0) = 0 where top-k/top-p cut
         return logp, entropy
 
     with autocast_ctx(inputs.device):
-        return model.chunked_logits(model.hidden(inputs), score, targets)
+        return model.chunked_logits(model.hidden(inputs), score, targets, *row_temperature)
 
 
 @torch.no_grad()
@@ -638,6 +758,176 @@ def load_task(name, split, size):
 
 
 # -----------------------------------------------------------------------------
+# RL systems (issue 13): task mixtures with per-source accounting, decontamination, difficulty filtering, PTGS
+
+
+def parse_task_mixture(spec):
+    """
+    '--task' as [(name, weight)]: 'synthetic' -> [('synthetic', 1.0)]; 'synthetic:1,gsm8k:2' -> two sources,
+    weights relative. Raises ValueError on an unknown name, a repeated one or a weight that is not > 0.
+    """
+    sources = []
+    for part in spec.split(","):
+        name, _, weight = part.strip().partition(":")
+        try:
+            weight = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"--task {spec!r}: weight {weight!r} of {name!r} is not a number") from None
+        if name not in ("synthetic", "gsm8k", "ultrafeedback"):
+            raise ValueError(f"--task {spec!r}: unknown task {name!r}; expected synthetic, gsm8k or ultrafeedback "
+                             "(name:weight, ...)")
+        if not weight > 0 or name in dict(sources):
+            raise ValueError(f"--task {spec!r}: each task once, with a weight > 0 (got {name!r}: {weight})")
+        sources.append((name, weight))
+    return sources
+
+
+class PromptMixture:
+    """
+    The prompts of one or more tasks as one task: mixture[k] is a conversation with "source" (the task's name) and
+    "task_id" ('name/row', the recurring id PTGS keys on); reward() asks that source's verifier. Weights are
+    shares of the prompts: source s keeps the first floor(share_s * N) of its rows with N the largest total for
+    which no source repeats a row (so a step still never holds one prompt twice). One source keeps every row in
+    its own order: position k is row k, as with the task itself.
+    """
+
+    def __init__(self, sources):
+        self.tasks = {name: task for name, task, _ in sources}
+        total = sum(weight for _, _, weight in sources)
+        size = min(len(task) * total / weight for _, task, weight in sources)
+        self.rows = [(name, i) for name, task, weight in sources
+                     for i in range(len(task) if len(sources) == 1 else int(size * weight / total))]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, k):
+        name, i = self.rows[k]
+        return {**self.tasks[name][i], "source": name, "task_id": f"{name}/{i}"}
+
+    def reward(self, conversation, completion):
+        return self.tasks[conversation["source"]].reward(conversation, completion)
+
+    def keep(self, positions):
+        """The mixture restricted to `positions` (after decontamination or the difficulty filter)."""
+        kept = PromptMixture.__new__(PromptMixture)
+        kept.tasks, kept.rows = self.tasks, [self.rows[k] for k in positions]
+        return kept
+
+    def counts(self):
+        """{source name: prompts}."""
+        return {name: sum(source == name for source, _ in self.rows) for name in self.tasks}
+
+
+def decontaminate_prompts(mixture, index):
+    """(the mixture without prompts that overlap an evaluation set, {source: prompts dropped}); see tasks.NgramIndex."""
+    dirty = [index.contaminated(mixture[k]) for k in range(len(mixture))]
+    dropped = {name: sum(d and mixture.rows[k][0] == name for k, d in enumerate(dirty)) for name in mixture.tasks}
+    return mixture.keep([k for k, d in enumerate(dirty) if not d]), dropped
+
+
+def difficulty_keep(successes, n, low, high):
+    """
+    The difficulty filter's rule: keep a prompt whose success rate c / n over n samples lies strictly inside
+    (low, high). A prompt the start model always or never solves gives every group zero contrast, so no gradient.
+    successes: counts per prompt. Returns a list of bools.
+    """
+    if not 0 <= low < high <= 1:
+        raise ValueError(f"--difficulty-filter needs 0 <= LOW < HIGH <= 1, got {low} {high}")
+    return [low < c / n < high for c in successes]
+
+
+def difficulty_filter(engine, mixture, n, low, high, max_tokens, sampling, seed, cache):
+    """
+    Sample n answers to every prompt of the mixture with the starting checkpoint and keep those with
+    difficulty_keep. Prints the histogram of success counts and the kept count. The counts are cached in `cache`
+    (a json file whose name keys the checkpoint, task, n and sampling) and reused when it exists.
+    Returns (the kept mixture, the success counts).
+    """
+    if cache.exists():
+        successes = json.loads(cache.read_text())["successes"]
+        print0(f"difficulty filter: success counts of {len(successes)} prompts from {cache}")
+    else:
+        result = evaluate_generative(engine, mixture, list(range(len(mixture))), num_samples=n, ks=(1,),
+                                     max_tokens=max_tokens, seed=seed, label="difficulty filter", **sampling)
+        successes = result["correct"].tolist()
+        if get_dist_info()[1] == 0:
+            cache.write_text(json.dumps({"successes": successes}))
+    if len(successes) != len(mixture):
+        raise ValueError(f"{cache} holds {len(successes)} counts for {len(mixture)} prompts; delete it")
+    keep = difficulty_keep(successes, n, low, high)
+    histogram = Counter(successes)
+    print0("difficulty filter: successes out of {n}: ".format(n=n)
+           + " ".join(f"{c}:{histogram[c]}" for c in range(n + 1)))
+    print0(f"difficulty filter: kept {sum(keep)} of {len(mixture)} prompts with success rate in ({low}, {high})")
+    return mixture.keep([k for k, kept in enumerate(keep) if kept]), successes
+
+
+class TemperatureController:
+    """
+    PTGS, per-task exploration temperature. For each recurring task id it keeps discounted success and failure
+    counts, updated from a group's outcomes as  s <- gamma s + successes,  f <- gamma f + failures  (gamma = 1: plain
+    counts; 0: only the last group). Before a group is generated it draws p ~ Beta(a + s, b + f), with the prior
+    a = k q, b = k (1 - q) centred on the target success rate q (k = prior_strength), and maps the draw to
+
+        T = T_ref * tau ** ((q - p) / q)          if p <= q   (a hard task: up to T_ref * tau, explore more)
+        T = T_ref * tau ** ((q - p) / (1 - q))    if p > q    (an easy task: down to T_ref / tau, sharpen)
+
+    so T = T_ref at p = q. With q = 0.5, tau = 1.5, T_ref = 1 the draws 0.1, 0.5, 0.9 give 1.5^0.8 = 1.383,
+    1.000 and 1.5^-0.8 = 0.723. The state (counts and the RNG) goes into the checkpoint.
+    """
+
+    def __init__(self, target=0.5, tau=1.5, t_ref=1.0, gamma=0.9, prior_strength=2.0, seed=0):
+        if not 0 < target < 1 or not tau >= 1 or not t_ref > 0 or not 0 <= gamma <= 1 or not prior_strength > 0:
+            raise ValueError(f"PTGS needs 0 < q < 1, tau >= 1, T_ref > 0, 0 <= gamma <= 1, prior > 0; got q {target}, "
+                             f"tau {tau}, T_ref {t_ref}, gamma {gamma}, prior {prior_strength}")
+        self.target, self.tau, self.t_ref, self.gamma, self.prior_strength = target, tau, t_ref, gamma, prior_strength
+        self.counts = {}  # task id -> [s, f]
+        self.rng = random.Random(seed)
+
+    def temperature(self, p):
+        q = self.target
+        return self.t_ref * self.tau ** ((q - p) / (q if p <= q else 1 - q))
+
+    def draw(self, task_id):
+        s, f = self.counts.get(task_id, (0.0, 0.0))
+        a, b = self.prior_strength * self.target, self.prior_strength * (1 - self.target)
+        return self.temperature(self.rng.betavariate(a + s, b + f))
+
+    def update(self, task_id, successes, failures):
+        s, f = self.counts.get(task_id, (0.0, 0.0))
+        self.counts[task_id] = [self.gamma * s + successes, self.gamma * f + failures]
+
+    def state_dict(self):
+        return {"counts": self.counts, "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state):
+        self.counts = {k: list(v) for k, v in state["counts"].items()}
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+
+
+SOURCE_FIELDS = ("groups_dispatched", "groups_completed", "groups_kept", "valid_tokens", "loss_mass")
+
+
+def source_tally(sources):
+    """Zeroed per-source counters, one flat key per (source, field): the same keys on every rank (reduce_tally)."""
+    return {f"source/{name}/{field}": 0.0 for name in sources for field in SOURCE_FIELDS}
+
+
+def account_kept_groups(tally, groups, sources, group_size, adv_scale, adv_baseline, mask_truncated):
+    """
+    Per source, the kept groups' valid tokens (mask 1) and their loss mass: sum over valid tokens of |A|, the
+    weight each source has in the token-mean policy gradient. Adds to tally (source_tally keys).
+    """
+    for name in set(sources):
+        mine = [g for g, source in zip(groups, sources) if source == name]
+        for _, mask, _, advantage in learner_rows(mine, group_size, adv_scale, adv_baseline, mask_truncated):
+            tally[f"source/{name}/valid_tokens"] += sum(mask)
+            tally[f"source/{name}/loss_mass"] += abs(advantage) * sum(mask)
+
+
+# -----------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
@@ -652,9 +942,28 @@ def parse_args(argv=None):
     add("--out", default=None, help="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)")
     add("--resume", action="store_true", help="continue from the latest checkpoint in --out; exit if it is finished")
     # data and rollouts
-    add("--task", choices=["synthetic", "gsm8k", "ultrafeedback"],
-        help="training prompts and verifier; its held-out split is evaluated (ultrafeedback: prompts with no "
-             "verifier, for --reward rm)")
+    add("--task", help="training prompts and verifier: synthetic, gsm8k, ultrafeedback (prompts with no verifier, for "
+                       "--reward rm), or a weighted mixture 'synthetic:1,gsm8k:1' (weights are shares of the prompts; "
+                       "logs count each source apart); held-out splits evaluated")
+    add("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
+        help="drop training prompts that overlap an evaluation set in use (tasks.NgramIndex, 13-grams); default on "
+             "for full, off for tiny (the synthetic family is split by question hash)")
+    add("--difficulty-filter", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+        help="before RL, sample --difficulty-samples answers per training prompt with the start checkpoint and keep "
+             "prompts whose success rate is strictly inside (LOW, HIGH), e.g. 0.1 0.9 (cached in the checkpoint)")
+    add("--difficulty-samples", type=int, default=16, help="answers per prompt for --difficulty-filter")
+    add("--ptgs", action="store_true",
+        help="per-task sampling temperature (PTGS, see TemperatureController); the learner scores each group at its "
+             "temperature, around the pivot --temperature")
+    add("--ptgs-target", type=float, default=0.5, help="PTGS target success rate q (the prior's mean, the pivot)")
+    add("--ptgs-tau", type=float, default=1.5, help="PTGS temperature range: T in [T_ref / tau, T_ref * tau]")
+    add("--ptgs-gamma", type=float, default=0.9, help="PTGS discount of a task's past successes and failures")
+    add("--ptgs-prior", type=float, default=2.0, help="PTGS prior strength k: Beta(k q, k (1 - q))")
+    add("--async", dest="async_rollouts", action="store_true",
+        help="overlapped rollouts: a worker process generates step k + 1 with the weights of step k while the learner "
+             "updates on step k (one step off policy; see RolloutWorker)")
+    add("--async-delay", type=int, choices=(0, 1), default=1,
+        help="policy versions between sampler and learner under --async (0: no overlap, the synchronous batches)")
     add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
     add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
     add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
@@ -756,6 +1065,10 @@ def parse_args(argv=None):
         parser.error("--overlong-buffer shapes verifier rewards; it does not apply to --reward rm")
     if args.critic_lr_frac is None:
         args.critic_lr_frac = 2 * args.lr_frac
+    parse_task_mixture(args.task)  # a bad --task fails before any model is loaded
+    if args.async_rollouts and args.ptgs:
+        raise ValueError("--async with --ptgs is not supported: the controller would draw in the worker from a "
+                         "posterior the learner updates; use one or the other")
     return args
 
 
@@ -766,6 +1079,7 @@ def main(argv=None):
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} ranks")
     groups_per_rank = args.prompts_per_step // world_size
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    truncated = args.top_k is not None or args.top_p is not None  # the KL then needs its own untruncated scoring
     ckpt = Path(args.ckpt) if args.ckpt else checkpoint_dir("dpo")
     out = Path(args.out) if args.out else checkpoint_dir("rl")
 
@@ -795,9 +1109,18 @@ def main(argv=None):
     print0(f"model: {model.num_params():,} parameters from {out if resume else ckpt} on {device}, {world_size} rank(s)")
 
     # Data: training prompts and the held-out problems.
-    train_task = load_task(args.task, "train", args.train_size)
-    test_task = load_task(args.task, "test", args.eval_problems)
+    sources = parse_task_mixture(args.task)
+    train_task = PromptMixture([(name, load_task(name, "train", args.train_size), w) for name, w in sources])
+    test_task = PromptMixture([(name, load_task(name, "test", args.eval_problems), w) for name, w in sources])
     eval_indices = list(range(min(args.eval_problems, len(test_task))))
+    decontaminated = {}
+    if args.decontaminate:  # against the preset's evaluation sets and the held-out problems evaluated here
+        index = NgramIndex(evaluation_texts(args.preset) + [text for i in range(len(test_task))
+                                                            for text in row_texts(test_task[i])[:1]])
+        train_task, decontaminated = decontaminate_prompts(train_task, index)
+        print0(f"decontamination: dropped training prompts per source {decontaminated}")
+    if len(sources) > 1:
+        print0(f"mixture: training prompts per source {train_task.counts()}")
     print0(f"task {args.task}: {len(train_task):,} training prompts, {len(eval_indices)} held-out problems; "
            f"{args.prompts_per_step} prompts x {args.group_size} samples per step ({groups_per_rank} prompts per rank)")
 
@@ -809,8 +1132,8 @@ def main(argv=None):
         critic_optimizers = critic.setup_optimizers(matrix_lr=MATRIX_LR * f, embedding_lr=EMBEDDING_LR * f,
                                                     unembedding_lr=UNEMBEDDING_LR * f)
     longest_prompt = max(len(tokenizer.render_for_completion(train_task[i])) for i in range(min(64, len(train_task))))
-    print0(f"plan: {args.num_steps} steps; each samples {args.prompts_per_step} x {args.group_size} completions of <= {args.max_tokens} tokens per round "
-           f"(<= {args.max_sampling_rounds} rounds), then {args.epochs} epoch(s) x {args.minibatches} minibatch(es) of "
+    print0(f"plan: {args.num_steps} steps; each samples {args.prompts_per_step} x {args.group_size} completions of <= "
+           f"{args.max_tokens} tokens per round (<= {args.max_sampling_rounds} rounds), then {args.epochs} epoch(s) x {args.minibatches} minibatch(es) of "
            f"optimizer steps; loss {args.loss} ({args.loss_agg}), advantages {args.adv_scale}/{args.adv_baseline}, "
            f"KL {args.kl_coef} ({args.kl_placement}), mismatch {args.mismatch}; reward {args.reward}, advantage "
            f"{args.advantage}; prompts up to {longest_prompt} + {args.max_tokens} tokens "
@@ -826,6 +1149,23 @@ def main(argv=None):
         print0("dry run: model, optimizers and data are built; stopping before the first rollout")
         compute_cleanup()
         return
+    if args.difficulty_filter:  # computed once with the start checkpoint and cached in its folder
+        key = mix_seed(args.task, args.train_size, args.decontaminate, args.difficulty_samples, args.max_tokens,
+                       sorted(sampling.items()), args.seed)
+        cache = resolve_checkpoint(ckpt) / f"difficulty_{key:016x}.json"
+        if resume and not cache.exists():
+            raise ValueError(f"--difficulty-filter on resume needs the start checkpoint's counts {cache}; rerun from "
+                             "the start checkpoint without --resume")
+        with autocast_ctx(device):
+            train_task, _ = difficulty_filter(engine, train_task, args.difficulty_samples, *args.difficulty_filter,
+                                              args.max_tokens, sampling, mix_seed(args.seed, "difficulty"), cache)
+        if len(train_task) < args.prompts_per_step:
+            raise ValueError(f"the difficulty filter kept {len(train_task)} prompts, fewer than --prompts-per-step "
+                             f"{args.prompts_per_step}; widen (LOW, HIGH) or add prompts")
+    ptgs = None
+    if args.ptgs:
+        ptgs = TemperatureController(args.ptgs_target, args.ptgs_tau, args.temperature, args.ptgs_gamma,
+                                     args.ptgs_prior, seed=mix_seed(args.seed, "ptgs", rank))
     start_step, history = 0, []
     if resume:
         _, _, extra = load_checkpoint(resume, device=device)
@@ -836,6 +1176,8 @@ def main(argv=None):
             critic.load_state_dict(extra["critic"])
             for optimizer, state in zip(critic_optimizers, extra["critic_optimizers"]):
                 optimizer.load_state_dict(state)
+        if ptgs is not None:
+            ptgs.load_state_dict(extra["ptgs"])
         print0(f"resuming at step {start_step}")
 
     def evaluate(step):
@@ -868,20 +1210,55 @@ def main(argv=None):
         extra = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history}
         if critic is not None:
             extra.update(critic=critic.state_dict(), critic_optimizers=[o.state_dict() for o in critic_optimizers])
+        if ptgs is not None:  # rank 0's controller (each rank keeps its own; its prompts differ)
+            extra["ptgs"] = ptgs.state_dict()
         save_checkpoint(out, step, model, {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
                                            "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=extra)
 
+    def row_sampling(micro):  # PTGS: a row is scored at the temperature its group was sampled at
+        return {**sampling, "temperature": micro["temperature"]} if "temperature" in micro else sampling
+
+    sample_kwargs = dict(num_groups=groups_per_rank, group_size=args.group_size, max_tokens=args.max_tokens,
+                         sampling=sampling, filter_zero_contrast=args.filter_zero_contrast and reward_model is None,
+                         max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer, rank=rank,
+                         world_size=world_size, oversample=args.oversample)
+    worker = None
+    if args.async_rollouts:  # the worker loads the start checkpoint's tokenizer and model; weights come per job
+        worker = RolloutWorker(out if resume else ckpt, device, train_task, sample_kwargs)
+        worker.submit(start_step, start_step, model, mix_seed(args.seed, start_step))
+
     t_start = time.time()
+    source_totals = Counter()  # per-source sums over this run's steps, for the report
     for step in range(start_step, args.num_steps):
         # 1-2. Rollout and score: this rank's groups, with dynamic sampling.
         synchronize(device)
         t0 = time.time()
-        with autocast_ctx(device):
-            groups, rollout = sample_groups(engine, train_task, groups_per_rank, args.group_size, args.max_tokens,
-                                            sampling, seed=mix_seed(args.seed, step),
-                                            filter_zero_contrast=args.filter_zero_contrast and reward_model is None,
-                                            max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer,
-                                            rank=rank, world_size=world_size, oversample=args.oversample)
+        by_source, kept_sources = source_tally(train_task.tasks), []
+
+        def on_group(conversation, rewards, errors, kept):
+            name = conversation["source"]
+            by_source[f"source/{name}/groups_dispatched"] += 1
+            by_source[f"source/{name}/groups_completed"] += 1  # synchronous: every dispatched group comes back
+            by_source[f"source/{name}/groups_kept"] += kept
+            if kept:
+                kept_sources.append(name)
+            if ptgs is not None:  # every scored group, before zero-contrast groups are dropped
+                valid = [r for r, error in zip(rewards, errors) if not error]
+                ptgs.update(conversation["task_id"], sum(r > 0 for r in valid), sum(r <= 0 for r in valid))
+
+        if worker is None:
+            with autocast_ctx(device):
+                groups, rollout = sample_groups(engine, train_task, seed=mix_seed(args.seed, step), **sample_kwargs,
+                                                on_group=on_group,
+                                                temperature_of=(lambda c: round(ptgs.draw(c["task_id"]), 2)) if ptgs
+                                                else None)
+        else:  # the batch the worker sampled with older weights; then, with delay 1, ask for the next one at once
+            _, version, groups, rollout, records, rollout_seconds = worker.result()
+            for source, kept in records:
+                on_group({"source": source}, [], [], kept)
+            ages = [step - group["version"] for group in groups] or [step - version]
+            if args.async_delay == 1 and step + 1 < args.num_steps:
+                worker.submit(step + 1, step, model, mix_seed(args.seed, step + 1))
         rm_score_sum = 0.0
         if reward_model is not None:  # --reward rm: the reward model's normalised scores replace the verifier's
             raw = reward_model_scores(reward_model, groups, pad_id, device, args.device_batch_tokens)  # (N,)
@@ -889,25 +1266,29 @@ def main(argv=None):
             normalized = normalize_scores(raw).tolist()
             for g, group in enumerate(groups):
                 group["rewards"] = normalized[g * args.group_size:(g + 1) * args.group_size]
+        account_kept_groups(by_source, groups, kept_sources, args.group_size, args.adv_scale, args.adv_baseline,
+                            args.mask_truncated)
         synchronize(device)
         t1 = time.time()
 
         # 3. Advantages; micro-batches of sequences, grouped into minibatches by prompt.
         minibatches, positions = [], [0, 0]  # positions: (real, padded)
         for m in range(args.minibatches):
-            rows = learner_rows(groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches],
-                                args.group_size, args.adv_scale, args.adv_baseline, args.mask_truncated,
+            part = groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches]
+            rows = learner_rows(part, args.group_size, args.adv_scale, args.adv_baseline, args.mask_truncated,
                                 raw_rewards=critic is not None)
+            if ptgs is not None:  # each row carries its group's temperature (collate_rollouts)
+                rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in part for _ in g["completions"]))]
             # Sorted by length into micro-batches of <= --device-batch-tokens: less padding, same loss.
-            batches, _ = token_budget_batches([[len(ids) - 1] for ids, *_ in rows], args.device_batch_tokens)
+            batches, _ = token_budget_batches([[len(row[0]) - 1] for row in rows], args.device_batch_tokens)
             minibatches.append([collate_rollouts([rows[i] for i in batch], pad_id, device) for batch in batches])
-            positions[0] += sum(len(ids) - 1 for ids, *_ in rows)
+            positions[0] += sum(len(row[0]) - 1 for row in rows)
             positions[1] += sum(int(micro["inputs"].numel()) for micro in minibatches[-1])
 
         # 4a. Score the batch with the weights that sampled it: old log-probs, the engine/trainer gap, entropy,
         # the reference log-probs; and the global token/sequence counts the loss is averaged over.
-        tally = {**rollout, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0, "gap_sum": 0.0,
-                 "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0,
+        tally = {**rollout, **by_source, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0,
+                 "gap_sum": 0.0, "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0,
                  "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf,
                  "ratio_max": -math.inf, "positions_real": positions[0], "positions_padded": positions[1],
                  "rm_score_sum": rm_score_sum, "value_loss_sum": 0.0, "value_clip_sum": 0.0}
@@ -931,18 +1312,18 @@ def main(argv=None):
         with torch.no_grad():
             for micro in (micro for mb in minibatches for micro in mb):
                 if not old_from_learner:
-                    score_old(micro, *token_logprobs(model, micro["inputs"], micro["targets"], sampling))
+                    score_old(micro, *token_logprobs(model, micro["inputs"], micro["targets"], row_sampling(micro)))
                 if ref_model is not None:
                     micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"],
-                                                          reference_sampling(sampling))
+                                                          reference_sampling(row_sampling(micro)))
                 if critic is not None:  # --advantage gae: per-token rewards (score + KL) -> GAE with the critic
                     mask = micro["mask"]
                     with autocast_ctx(device):
                         micro["old_values"] = critic(micro["inputs"])  # (B, T): V(s_t) before target t
                     kl = torch.zeros_like(mask)
                     if ref_model is not None and args.kl_placement == "reward":
-                        kl_logp = micro["old_logp"] if reference_sampling(sampling) == sampling else token_logprobs(
-                            model, micro["inputs"], micro["targets"], reference_sampling(sampling))[0]
+                        kl_logp = micro["old_logp"] if not truncated else token_logprobs(
+                            model, micro["inputs"], micro["targets"], reference_sampling(row_sampling(micro)))[0]
                         kl = kl_penalty(kl_logp, micro["ref_logp"], "k1")
                         tally["kl_sum"] += float((kl * mask).sum())
                     rewards = token_rewards(micro["advantages"], kl, mask, args.kl_coef)
@@ -975,7 +1356,7 @@ def main(argv=None):
                 if count == 0:  # nothing to learn from on any rank (every group filtered or masked)
                     continue
                 for micro in minibatch:
-                    logp, entropy = token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+                    logp, entropy = token_logprobs(model, micro["inputs"], micro["targets"], row_sampling(micro))
                     if old_from_learner:
                         score_old(micro, logp.detach(), entropy.detach())
                     loss, stats = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["mask"],
@@ -984,8 +1365,8 @@ def main(argv=None):
                                               max_len=args.max_tokens, count=count)
                     num_tokens = float(micro["mask"].sum())
                     if ref_model is not None and args.kl_placement == "loss":
-                        kl_logp = logp if reference_sampling(sampling) == sampling else token_logprobs(
-                            model, micro["inputs"], micro["targets"], reference_sampling(sampling))[0]
+                        kl_logp = logp if not truncated else token_logprobs(
+                            model, micro["inputs"], micro["targets"], reference_sampling(row_sampling(micro)))[0]
                         kl = kl_penalty(kl_logp, micro["ref_logp"], args.kl_kind)  # (B, T)
                         loss = loss + args.kl_coef * aggregate(kl, micro["mask"], args.loss_agg,
                                                                max_len=args.max_tokens, count=count)
@@ -1024,6 +1405,8 @@ def main(argv=None):
                 optimizer_steps += 1
         synchronize(device)
         t2 = time.time()
+        if worker is not None and args.async_delay == 0 and step + 1 < args.num_steps:
+            worker.submit(step + 1, step + 1, model, mix_seed(args.seed, step + 1))
 
         # Logs: rollout outcomes of every sampled group (filtered ones included), learner statistics, timings.
         tally = reduce_tally(tally, device)
@@ -1047,6 +1430,10 @@ def main(argv=None):
                    "mismatch/corrected_frac": tally["corrected"] / tokens,
                    "optim/steps": optimizer_steps, "time/rollout_s": t1 - t0, "time/learner_s": t2 - t1,
                    "time/rollout_tokens_per_s": tally["length_sum"] / max(t1 - t0, 1e-9)}
+        if worker is not None:  # rollout: the worker's generation time; idle: the learner waiting for it
+            metrics.update({"time/rollout_s": rollout_seconds, "time/idle_s": t1 - t0,
+                            "time/rollout_tokens_per_s": tally["length_sum"] / max(rollout_seconds, 1e-9),
+                            "policy/age_mean": sum(ages) / len(ages), "policy/age_max": max(ages)})
         if tally["loss_tokens"]:
             metrics.update({"policy/ratio_mean": tally["ratio_sum"] / loss_tokens,
                             "policy/ratio_min": tally["ratio_min"], "policy/ratio_max": tally["ratio_max"]})
@@ -1060,7 +1447,18 @@ def main(argv=None):
             metrics.update({"critic/value_loss": tally["value_loss_sum"] / max(optimizer_steps, 1),
                             "critic/clip_frac": tally["value_clip_sum"] / loss_tokens,
                             "critic/explained_variance": explained})
+        mass = sum(tally[f"source/{name}/loss_mass"] for name in train_task.tasks)
+        for name in train_task.tasks:  # per-source accounting: a fast or easy source cannot take over unseen
+            for field in SOURCE_FIELDS:
+                source_totals[f"{name}/{field}"] += tally[f"source/{name}/{field}"]
+                metrics[f"source/{name}/{field}"] = tally[f"source/{name}/{field}"]
+            metrics[f"source/{name}/loss_share"] = tally[f"source/{name}/loss_mass"] / max(mass, 1e-12)
         logger.log(metrics, step=step + 1)
+        if len(train_task.tasks) > 1:
+            print0("  sources: " + " | ".join(
+                f"{name} dispatched {metrics[f'source/{name}/groups_dispatched']:.0f} kept "
+                f"{metrics[f'source/{name}/groups_kept']:.0f} tokens {metrics[f'source/{name}/valid_tokens']:.0f} "
+                f"loss share {metrics[f'source/{name}/loss_share']:.2f}" for name in train_task.tasks))
         elapsed = time.time() - t_start
         eta = elapsed / (step + 1 - start_step) * (args.num_steps - step - 1)
         extra_line = ""
@@ -1076,8 +1474,10 @@ def main(argv=None):
                f"| loss {metrics['policy/loss']:+.4f} "
                f"clip {metrics['policy/clip_low']:.3f}/{metrics['policy/clip_high']:.3f} "
                f"| entropy {metrics['policy/entropy']:.3f} | gap {metrics['mismatch/logp_gap_mean']:.1e} "
-               f"| rollout {t1 - t0:.1f}s {metrics['time/rollout_tokens_per_s']:.0f} tok/s, learn {t2 - t1:.1f}s "
-               f"| ETA {format_eta(eta)}")
+               f"| rollout {metrics['time/rollout_s']:.1f}s {metrics['time/rollout_tokens_per_s']:.0f} tok/s, "
+               f"learn {t2 - t1:.1f}s "
+               + (f"idle {t1 - t0:.1f}s age {metrics['policy/age_max']:.0f} " if worker else "")
+               + f"| ETA {format_eta(eta)}")
 
         # 5. Held-out evaluation and periodic checkpoints.
         last = step + 1 == args.num_steps
@@ -1090,6 +1490,8 @@ def main(argv=None):
         if not last and args.save_every and (step + 1) % args.save_every == 0:
             save(step + 1, finished=False)
 
+    if worker is not None:
+        worker.close()
     save(args.num_steps, finished=True)
     before, after = history[0], history[-1]
     k = f"pass@{args.eval_samples}"
@@ -1108,7 +1510,9 @@ def main(argv=None):
                    "pass@1_before": before["pass@1"], "pass@1": after["pass@1"],
                    f"{k}_before": before[k], k: after[k], "eval_problems": len(eval_indices),
                    "truncated": after.get("truncated"), "verifier_errors": after["errors"],
-                   "eval_samples": args.eval_samples, "seconds": time.time() - t_start})
+                   "eval_samples": args.eval_samples, "seconds": time.time() - t_start,
+                   "sources": dict(source_totals), "decontaminated": decontaminated, "ptgs": args.ptgs,
+                   "train_prompts": len(train_task)})
     logger.finish()
     compute_cleanup()
 

@@ -48,8 +48,9 @@ from engine import Engine
 from eval import PRESETS as EVAL_PRESETS
 from eval import completion_text, evaluate_bpb, evaluate_generative, validation_batches
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
-from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
-                   extract_final_answer, prepare_rows, pretraining_batches, pretraining_texts, token_budget_batches)
+from tasks import (GSM8K, NgramIndex, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture,
+                   collate, evaluation_texts, extract_final_answer, prepare_rows, pretraining_batches,
+                   pretraining_texts, token_budget_batches)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, plan(): ~6 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k
@@ -59,15 +60,16 @@ from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, S
 # context, the old 16-row micro-batch at its longest.
 PRESETS = {
     "tiny": dict(train_rows=4000, batch_size=32, device_batch_tokens=4096, lr_frac=0.5, eval_every=25, eval_rows=256,
-                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=25, replay_frac=0.1),
+                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=25, replay_frac=0.1,
+                 decontaminate=False),
     # small (one 24 GB GPU, ~10 min): 50k SmolTalk conversations of <= 1,024 tokens + GSM8K, the full preset's
     # optimizer batch; on a GPU each stage's micro-batch is the largest of the preset's, half of it, ... that fits.
     "small": dict(train_rows=50_000, batch_size=512, device_batch_tokens=16384, lr_frac=0.02, eval_every=50,
                   eval_rows=1000, check_problems=256, check_samples=4, max_new_tokens=512, save_every=50,
-                  replay_frac=0.0),
+                  replay_frac=0.0, decontaminate=True),
     "full": dict(train_rows=None, batch_size=512, device_batch_tokens=32768, lr_frac=0.02, eval_every=200,
                  eval_rows=2000, check_problems=256, check_samples=4, max_new_tokens=512, save_every=500,
-                 replay_frac=0.0),
+                 replay_frac=0.0, decontaminate=True),
 }
 # Tokens of one pass over each GPU preset's hub data, for the budget (plan); estimates: smol-smoltalk averages
 # ~430 tokens a conversation, GSM8K ~250 (a dry run reads stand-in files and cannot count them).
@@ -297,6 +299,9 @@ def main(argv=None):
     parser.add_argument("--replay-frac", type=float,
                         help="fraction of each micro-batch's rows that are pretraining text, trained on every token, "
                              "against forgetting it (0: none; default: the preset's, measured, see the docstring)")
+    parser.add_argument("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
+                        help="drop training rows that overlap an evaluation set in use (tasks.NgramIndex: a shared "
+                             "13-gram of normalised words); default on for full, off for tiny (split by question hash)")
     parser.add_argument("--dry-run", action="store_true", help="build the model, data and optimizers, print the plan "
                         "and stop before the first forward pass")
     args = parser.parse_args(argv)
@@ -332,7 +337,8 @@ def main(argv=None):
     val_mix = sft_mixture(args.preset, "test", args.eval_rows, seed=args.seed)
     print0(f"train mixture:\n{train_mix.summary()}\nheld-out mixture:\n{val_mix.summary()}")
     render = partial(render_for_sft, tokenizer, max_seq_len=max_seq_len)
-    train_rows, skipped = prepare_rows(train_mix, render, range(rank, len(train_mix), world_size))
+    index = NgramIndex(evaluation_texts(args.preset)) if args.decontaminate else None
+    train_rows, skipped = prepare_rows(train_mix, render, range(rank, len(train_mix), world_size), index=index)
     val_rows, val_skipped = prepare_rows(val_mix, render, range(rank, len(val_mix), world_size))
     share = (skipped, val_skipped, len(train_rows), len(val_rows), sum(len(ids) for ids, _ in train_rows))
     shares = [share]  # what each rank prepared

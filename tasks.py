@@ -22,6 +22,7 @@ from fnmatch import fnmatch
 from itertools import islice
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # -----------------------------------------------------------------------------
@@ -240,6 +241,92 @@ class SyntheticTask:
 
     def reward(self, conversation, completion):
         return exact_match_reward(completion, conversation["answer"])
+
+
+# -----------------------------------------------------------------------------
+# Decontamination: training rows that share text with an evaluation item are dropped before any stage trains.
+
+DECONTAMINATION_N = 13  # the 13-gram rule of GPT-3 (Brown et al. 2020, appendix C) and most reports since
+_WORD = re.compile(r"[^\W_]+|[-+*/=]")
+
+
+def normalized_words(text):
+    """Lowercased runs of letters and digits; + - * / = are words of their own ('3 + 4' is not '3 * 4'), other
+    punctuation and all whitespace are dropped."""
+    return _WORD.findall(text.lower())
+
+
+def row_texts(row):
+    """The strings of a training or evaluation row: a document (str), every message of a conversation, both sides
+    of a preference pair, or the question of a multiple-choice item."""
+    if isinstance(row, str):
+        return [row]
+    if "chosen" in row:
+        return row_texts(row["chosen"]) + row_texts(row["rejected"])
+    if "messages" in row:
+        return [m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])
+                for m in row["messages"]]
+    return [row["question"]]
+
+
+class NgramIndex:
+    """
+    The evaluation sets' n-grams, built once; `contaminated(row)` tells whether a training row overlaps them.
+    Rule: a text overlaps when it shares one n-gram of normalized_words with an evaluation text of >= n words, or
+    when its whole normalized text equals an evaluation text shorter than n words (a short question like 'What is
+    3 + 4?' is matched exactly: as an n-gram of its own length it would flag every document that says it in
+    passing). n-grams are stored as 64-bit hashes: ~8 bytes per evaluation n-gram, and the check of a training
+    text is one hash of each of its words plus a vectorised rolling hash (bench/bench_decontaminate.py: the cost
+    per word of FineWeb-like text). Python's str hash is salted per process: an index is used where it is built.
+    """
+
+    def __init__(self, eval_texts, n=DECONTAMINATION_N):
+        if n < 1:
+            raise ValueError(f"decontamination n-gram length must be >= 1, got {n}")
+        self.n, self.ngrams, self.short = n, set(), set()
+        self.powers = np.cumprod(np.full(n, 1_000_003, dtype=np.int64))[::-1]  # (n,) B^n .. B^1, wrapping
+        for text in eval_texts:
+            words = normalized_words(text)
+            if len(words) < n:
+                self.short.add(" ".join(words))
+            else:
+                self.ngrams.update(self._hashes(words))
+
+    def _hashes(self, words):
+        h = np.fromiter(map(hash, words), dtype=np.int64, count=len(words))  # (W,)
+        windows = np.lib.stride_tricks.sliding_window_view(h, self.n)  # (W - n + 1, n)
+        return (windows * self.powers).sum(1).tolist()  # int64 arithmetic wraps: a polynomial hash mod 2^64
+
+    def overlaps(self, text):
+        words = normalized_words(text)
+        if " ".join(words) in self.short:
+            return True
+        return len(words) >= self.n and not self.ngrams.isdisjoint(self._hashes(words))
+
+    def contaminated(self, row):
+        return any(self.overlaps(text) for text in row_texts(row))
+
+
+def decontaminate(rows, eval_texts, n=DECONTAMINATION_N):
+    """(kept rows, number dropped): `rows` without those that overlap `eval_texts` (a list of str or an
+    NgramIndex of them) under NgramIndex's rule."""
+    index = eval_texts if isinstance(eval_texts, NgramIndex) else NgramIndex(eval_texts, n)
+    kept = [row for row in rows if not index.contaminated(row)]
+    return kept, len(rows) - len(kept)
+
+
+def evaluation_texts(preset):
+    """
+    The question of every held-out item the preset's evaluation uses (eval.py): tiny, the synthetic test split;
+    small and full, GSM8K test, ARC-Easy/Challenge and MMLU test. What no training source may contain.
+    """
+    if preset == "tiny":
+        return [p["question"] for p, _ in zip(synthetic_problems("test", seed=0), range(2000))]
+    texts = [row["question"] for row in load_rows("openai/gsm8k", "test", "main")]
+    for name in MultipleChoice.SOURCES:
+        task = MultipleChoice(name, "test")
+        texts.extend(task[i]["question"] for i in range(len(task)))
+    return texts
 
 
 # -----------------------------------------------------------------------------
@@ -715,18 +802,23 @@ class TaskMixture:
         return "\n".join(lines + [f"  {'total':<24s} {len(self):>9,d} rows"])
 
 
-def prepare_rows(mixture, render, positions):
+def prepare_rows(mixture, render, positions, index=None):
     """
     render(row) for mixture[k], k in `positions` (e.g. one DDP rank's share). A row that fails to load or to
     render is skipped and counted, never trained on: RowTooLong as "too long", ValueError / KeyError / TypeError
-    (a missing column, a bad role, no final answer...) as "malformed".
+    (a missing column, a bad role, no final answer...) as "malformed"; with an NgramIndex `index`, a row that
+    overlaps an evaluation set as "contaminated".
     Returns (rendered rows, Counter {(source name, reason): count}).
     """
     rendered, skipped = [], Counter()
     for k in positions:
         name = mixture.source(k)
         try:
-            rendered.append(render(mixture[k][1]))
+            row = mixture[k][1]
+            if index is not None and index.contaminated(row):
+                skipped[name, "contaminated"] += 1
+                continue
+            rendered.append(render(row))
         except RowTooLong:
             skipped[name, "too long"] += 1
         except (ValueError, KeyError, TypeError):
@@ -765,7 +857,8 @@ def preference_mixture(source, split, size, seed):
     return TaskMixture([("synthetic", SyntheticPreferences(split, size or 1000, seed), None)], seed=seed)
 
 
-def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_size=1, start=(0, 0), encode_batch=256):
+def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_size=1, start=(0, 0), encode_batch=256,
+                        keep=None):
     """
     Yield (inputs, targets, position) batches of the documents in `texts` (an iterable of str), packed greedily:
     each document is tokenized with <|bos|> prepended and the documents are concatenated into one stream, cut into
@@ -777,6 +870,8 @@ def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_siz
     index, token offset) where the next batch of this rank begins; passing it back as `start` continues the stream
     exactly where it left off (documents before it are skipped without being tokenized, row groups before it without
     being read).
+    keep(text) -> bool, optional: documents it rejects are skipped (decontamination); each rank checks only its own
+    documents, and document indices, hence resume positions, stay those of `texts`.
     """
     row_tokens = batch_size * (seq_len + 1)
     first_doc, offset = start
@@ -784,6 +879,8 @@ def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_siz
         mine = texts.shard(rank, world_size, first_doc)
     else:
         mine = ((i, text) for i, text in enumerate(texts) if i >= first_doc and i % world_size == rank)
+    if keep is not None:
+        mine = ((i, text) for i, text in mine if keep(text))
     queue = deque()  # (document index, token ids) not yet packed; packing resumes at `offset` of queue[0]
     queued = -offset  # tokens in the queue from `offset` on (the first document queued is the one `start` names)
     next_doc = first_doc  # index just past the last document queued: where to resume if the queue runs dry

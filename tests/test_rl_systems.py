@@ -1,0 +1,278 @@
+"""
+Issue 13, the RL systems pieces: decontamination (tasks.NgramIndex), task mixtures with per-source accounting, the
+difficulty filter's keep rule, and the PTGS temperature controller (its example numbers, its discount, its
+checkpoint state, and the learner scoring each group at the temperature that sampled it).
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+import rl
+import tasks
+from engine import Engine
+from test_rl import Broken, LengthParity, checkpoint, model, one_thread, run_rl, tokenizer  # noqa: F401 (fixtures)
+
+# -----------------------------------------------------------------------------
+# Decontamination
+
+GSM8K_LIKE = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+              "How many clips did Natalia sell altogether in April and May?")
+
+
+def test_planted_contamination_is_removed():
+    test_questions = [GSM8K_LIKE, "What is 17 + 25?"]
+    index = tasks.NgramIndex(test_questions)
+    planted_doc = "Some homework help.\n" + GSM8K_LIKE.replace("April", "april").replace(",", "") + " The answer: 72."
+    clean_doc = "Natalia sold clips to her friends. Everyone bought some and went home happy in May."
+    # pretraining text: the planted document is skipped while packing, the clean one is kept
+    assert tasks.decontaminate([planted_doc, clean_doc], index) == ([clean_doc], 1)
+    # SFT rows: the planted conversation (the eval question as the user turn) is skipped and counted per source
+    planted_chat = {"messages": [{"role": "user", "content": "what is 17+25"},
+                                 {"role": "assistant", "content": "42\n#### 42"}]}
+    other_chat = {"messages": [{"role": "user", "content": "What is 17 * 25?"},
+                               {"role": "assistant", "content": "425\n#### 425"}]}
+    mixture = tasks.TaskMixture([("planted", [planted_chat], None), ("clean", [other_chat, other_chat], None)])
+    rows, skipped = tasks.prepare_rows(mixture, lambda c: c["messages"][0]["content"], range(len(mixture)), index=index)
+    assert rows == ["What is 17 * 25?"] * 2 and skipped == {("planted", "contaminated"): 1}
+    # DPO pairs: either side overlapping is enough
+    pair = tasks.preference_pair([{"role": "user", "content": GSM8K_LIKE}, {"role": "assistant", "content": "72"}],
+                                 [{"role": "user", "content": GSM8K_LIKE}, {"role": "assistant", "content": "70"}])
+    assert index.contaminated(pair)
+    # RL prompts: a training task with the test question planted among its problems
+    task = tasks.SyntheticTask("train", size=20)
+    task.problems[7] = {**task.problems[7], "question": GSM8K_LIKE}
+    mixture = rl.PromptMixture([("synthetic", task, 1.0)])
+    kept, dropped = rl.decontaminate_prompts(mixture, index)
+    assert len(kept) == 19 and dropped == {"synthetic": 1}
+    assert all(kept[k]["messages"][0]["content"] != GSM8K_LIKE for k in range(len(kept)))
+
+
+def test_short_eval_texts_match_whole_texts_only():
+    index = tasks.NgramIndex(["What is 17 + 25?"])
+    assert index.overlaps("  WHAT is 17+25 ")  # normalised: case, spacing and punctuation do not matter
+    assert not index.overlaps("What is 17 * 25?")  # operators are words: another question
+    assert not index.overlaps("Question: What is 17 + 25?\nAnswer: 42")  # a short text inside a document is not a copy
+
+
+def test_pretraining_batches_skip_rejected_documents_and_keep_indices(tokenizer):  # noqa: F811
+    docs = [f"document {i} " * 30 for i in range(6)]
+    kept = list(tasks.pretraining_batches(tokenizer, docs, 1, 16, keep=lambda text: not text.startswith("document 2 ")))
+    filtered = list(tasks.pretraining_batches(tokenizer, [d for i, d in enumerate(docs) if i != 2], 1, 16))
+    assert len(kept) == len(filtered) > 2 and all(torch.equal(a[0], b[0]) for a, b in zip(kept, filtered))
+    original = [0, 1, 3, 4, 5, 6]  # positions count the documents of `texts`, the skipped one too: resume stays exact
+    assert [a[2] for a in kept] == [(original[b[2][0]], b[2][1]) for b in filtered]
+
+
+def test_tiny_training_data_is_untouched_by_default():
+    for script in ("pretrain", "sft", "dpo", "rl"):
+        module = __import__(script)
+        assert module.PRESETS["tiny"]["decontaminate"] is False and module.PRESETS["full"]["decontaminate"] is True
+
+
+# -----------------------------------------------------------------------------
+# Task mixtures and per-source accounting
+
+
+def test_parse_task_mixture():
+    assert rl.parse_task_mixture("synthetic") == [("synthetic", 1.0)]
+    assert rl.parse_task_mixture("synthetic:1, gsm8k:3") == [("synthetic", 1.0), ("gsm8k", 3.0)]
+    for bad in ("mmlu", "synthetic:0", "synthetic:x", "synthetic,synthetic"):
+        with pytest.raises(ValueError, match="--task"):
+            rl.parse_task_mixture(bad)
+
+
+def test_prompt_mixture_shares_and_single_source_identity():
+    a, b = LengthParity("train", 64), LengthParity("test", 40)
+    mixture = rl.PromptMixture([("a", a, 1.0), ("b", b, 3.0)])
+    assert mixture.counts() == {"a": 13, "b": 40}  # the largest total where no source repeats: b's 40 rows are 3/4
+    one = rl.PromptMixture([("a", a, 1.0)])
+    assert len(one) == 64 and all(one[k]["messages"] == a[k]["messages"] for k in range(64))
+    assert one[5]["task_id"] == "a/5" and one.reward(one[5], "xx") == a.reward(a[5], "xx")
+
+
+def test_per_source_counts_on_a_two_source_mixture(monkeypatch, tmp_path, checkpoint, capsys):  # noqa: F811
+    # the second source's verifier always fails: its groups are dispatched and completed but never kept
+    tasks_by_name = {"synthetic": LengthParity, "gsm8k": Broken}
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(rl, "load_task", lambda name, split, size: tasks_by_name[name](split, size=64))
+    rl.main(["--preset", "tiny", "--device", "cpu", "--ckpt", str(checkpoint), "--out", str(tmp_path / "rl"),
+             "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8", "--eval-problems", "8",
+             "--eval-samples", "2", "--num-steps", "2", "--eval-every", "2", "--task", "synthetic:1,gsm8k:1"])
+    text = capsys.readouterr().out
+    assert "mixture: training prompts per source {'synthetic': 64, 'gsm8k': 64}" in text and "sources:" in text
+    record = json.loads((tmp_path / "home" / "report.jsonl").read_text().splitlines()[-1])
+    s = record["sources"]
+    assert s["synthetic/groups_dispatched"] > 0 and s["gsm8k/groups_dispatched"] > 0
+    for name in ("synthetic", "gsm8k"):
+        assert s[f"{name}/groups_completed"] == s[f"{name}/groups_dispatched"]
+    assert s["gsm8k/groups_kept"] == s["gsm8k/valid_tokens"] == s["gsm8k/loss_mass"] == 0
+    assert 0 < s["synthetic/groups_kept"] <= 2 * 4 and s["synthetic/valid_tokens"] > 0 and s["synthetic/loss_mass"] > 0
+    assert "gsm8k dispatched" in text and "loss share 0.00" in text and "loss share 1.00" in text
+
+
+def test_account_kept_groups_counts_tokens_and_mass_per_source(model, tokenizer):  # noqa: F811
+    engine = Engine(model, tokenizer)
+    prompts = [tokenizer.render_for_completion(LengthParity()[i]) for i in range(2)]
+    results = engine.generate(prompts, num_samples=2, max_tokens=6, seed=0)
+    groups = [{"prompt": p, "completions": c, "rewards": r} for p, c, r in zip(prompts, results, ([0.0, 1.0], [1.0, 1.0]))]
+    tally = rl.source_tally(["x", "y"])
+    rl.account_kept_groups(tally, groups, ["x", "y"], 2, "std", "mean", mask_truncated=False)
+    assert tally["source/x/valid_tokens"] == sum(len(c.tokens) for c in results[0])
+    assert tally["source/y/valid_tokens"] == sum(len(c.tokens) for c in results[1])
+    assert tally["source/y/loss_mass"] == 0  # no contrast, no advantage, no weight in the loss
+    assert tally["source/x/loss_mass"] == pytest.approx(sum(len(c.tokens) for c in results[0]), rel=1e-5)  # |A| = 1
+
+
+# -----------------------------------------------------------------------------
+# Difficulty filter
+
+
+def test_difficulty_keep_rule_on_hand_made_counts():
+    counts = [0, 1, 2, 8, 14, 15, 16]
+    # n = 16, (0.1, 0.9): 1.6 < c < 14.4, i.e. 2 to 14 successes
+    assert rl.difficulty_keep(counts, 16, 0.1, 0.9) == [False, False, True, True, True, False, False]
+    # the bounds are strict: 4 of 8 is not inside (0.5, 1)
+    assert rl.difficulty_keep([4, 5, 8], 8, 0.5, 1.0) == [False, True, False]
+    with pytest.raises(ValueError, match="LOW < HIGH"):
+        rl.difficulty_keep(counts, 16, 0.9, 0.1)
+
+
+def test_difficulty_filter_runs_prints_and_caches(monkeypatch, tmp_path, checkpoint, capsys):  # noqa: F811
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "1", "--eval-every", "1",
+           "--difficulty-filter", "0.1", "0.9", "--difficulty-samples", "4")
+    text = capsys.readouterr().out
+    assert "difficulty filter: successes out of 4: 0:" in text and "kept" in text
+    caches = list(checkpoint.glob("step_*/difficulty_*.json"))
+    assert len(caches) == 1 and len(json.loads(caches[0].read_text())["successes"]) == 64
+    run_rl(monkeypatch, tmp_path / "again", checkpoint, "--num-steps", "1", "--eval-every", "1",
+           "--difficulty-filter", "0.1", "0.9", "--difficulty-samples", "4")
+    assert f"from {caches[0]}" in capsys.readouterr().out
+    caches[0].unlink()
+
+
+# -----------------------------------------------------------------------------
+# PTGS
+
+
+def test_ptgs_example_temperatures():
+    controller = rl.TemperatureController(target=0.5, tau=1.5, t_ref=1.0)
+    got = [controller.temperature(p) for p in (0.1, 0.5, 0.9)]
+    assert got == pytest.approx([1.5 ** 0.8, 1.0, 1.5 ** -0.8])
+    assert [round(t, 2) for t in got] == [1.38, 1.00, 0.72]
+    # an asymmetric target: the ends still map to T_ref * tau and T_ref / tau
+    skewed = rl.TemperatureController(target=0.8, tau=2.0, t_ref=0.7)
+    assert [skewed.temperature(p) for p in (0.0, 0.8, 1.0)] == pytest.approx([1.4, 0.7, 0.35])
+
+
+def test_ptgs_discount_and_posterior():
+    controller = rl.TemperatureController(gamma=0.5, seed=0)
+    controller.update("t", 3, 1)
+    controller.update("t", 0, 4)
+    assert controller.counts["t"] == [0.5 * 3 + 0, 0.5 * 1 + 4]
+    gamma1 = rl.TemperatureController(gamma=1.0)
+    gamma1.update("t", 3, 1)
+    gamma1.update("t", 0, 4)
+    assert gamma1.counts["t"] == [3, 5]
+    # a task it always solves is sampled colder than the pivot, one it never solves hotter
+    easy, hard = rl.TemperatureController(seed=1), rl.TemperatureController(seed=1)
+    for _ in range(10):
+        easy.update("t", 8, 0)
+        hard.update("t", 0, 8)
+    assert max(easy.draw("t") for _ in range(50)) < 1.0 < min(hard.draw("t") for _ in range(50))
+
+
+def test_ptgs_state_survives_a_checkpoint(tmp_path):
+    controller = rl.TemperatureController(seed=3)
+    for i in range(5):
+        controller.update(f"t{i % 2}", i, 5 - i)
+        controller.draw(f"t{i % 2}")
+    torch.save({"ptgs": controller.state_dict()}, tmp_path / "extra.pt")
+    restored = rl.TemperatureController(seed=99)
+    restored.load_state_dict(torch.load(tmp_path / "extra.pt", weights_only=True)["ptgs"])
+    assert restored.counts == controller.counts
+    assert [restored.draw("t0") for _ in range(5)] == [controller.draw("t0") for _ in range(5)]
+
+
+def test_ptgs_groups_are_scored_at_their_own_temperature(model, tokenizer):  # noqa: F811
+    engine = Engine(model, tokenizer)
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    temperature_of = {p: t for p, t in zip(range(4), (0.7, 1.3, 0.7, 1.0))}
+    task = rl.PromptMixture([("p", LengthParity(), 1.0)])
+    groups, _ = rl.sample_groups(engine, task, 4, 3, 8, sampling, seed=0, filter_zero_contrast=False,
+                                 temperature_of=lambda c: temperature_of[int(c["task_id"].split("/")[1]) % 4])
+    temps = [g["temperature"] for g in groups]
+    assert len(groups) == 4 and set(temps) <= {0.7, 1.3, 1.0} and len(set(temps)) > 1
+    rows = rl.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
+    rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in groups for _ in g["completions"]))]
+    batch = rl.collate_rollouts(rows, pad_id=0, device="cpu")
+    with torch.no_grad():
+        logp, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"],
+                                    {**sampling, "temperature": batch["temperature"]})
+        assert ((logp - batch["behavior"]).abs() * batch["mask"]).max() < 1e-4
+        # one temperature for the whole batch is visibly wrong: the check can fail
+        flat, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], sampling)
+        assert ((flat - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
+
+
+def test_ptgs_run_resumes_with_its_controller(monkeypatch, tmp_path, checkpoint, capsys):  # noqa: F811
+    flags = ["--num-steps", "2", "--save-every", "1", "--eval-every", "2", "--ptgs"]
+    out = run_rl(monkeypatch, tmp_path, checkpoint, *flags)
+    final, _, _ = rl.load_model(out, "cpu")
+    extra = torch.load(out / "step_000002" / "extra.pt", weights_only=True)
+    assert extra["ptgs"]["counts"]  # the controller saw the outcomes
+    (out / "latest").write_text("step_000001")
+    run_rl(monkeypatch, tmp_path, checkpoint, *flags, "--resume")
+    assert "resuming at step 1" in capsys.readouterr().out
+    resumed, _, _ = rl.load_model(out, "cpu")
+    for a, b in zip(resumed.state_dict().values(), final.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    assert math.isfinite(float(next(iter(resumed.state_dict().values())).sum()))
+
+
+# -----------------------------------------------------------------------------
+# Overlapped rollouts
+
+
+def test_async_with_zero_delay_reproduces_synchronous_training(monkeypatch, tmp_path, checkpoint, capsys):  # noqa: F811
+    flags = ["--num-steps", "3", "--eval-every", "3"]
+    sync = run_rl(monkeypatch, tmp_path / "sync", checkpoint, *flags)
+    overlapped = run_rl(monkeypatch, tmp_path / "async", checkpoint, *flags, "--async", "--async-delay", "0")
+    assert "idle" in capsys.readouterr().out  # the worker process made the batches
+    a, _, _ = rl.load_model(sync, "cpu")
+    b, _, _ = rl.load_model(overlapped, "cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp_path, checkpoint, model, capsys):  # noqa: F811
+    # The worker on its own: the batch of a job carries the version it was sent and that version's log-probs.
+    task = rl.PromptMixture([("p", LengthParity(), 1.0)])
+    kwargs = dict(num_groups=2, group_size=3, max_tokens=6, sampling=dict(temperature=1.0, top_k=None, top_p=None),
+                  filter_zero_contrast=False)
+    newer = rl.load_model(checkpoint, "cpu")[0]
+    with torch.no_grad():
+        for p in newer.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    worker = rl.RolloutWorker(checkpoint, "cpu", task, kwargs)
+    try:
+        worker.submit(5, 4, model, seed=0)  # step 5's groups with the weights after 4 updates
+        step, version, groups, _, records, seconds = worker.result()
+    finally:
+        worker.close()
+    assert (step, version) == (5, 4) and all(g["version"] == 4 for g in groups) and len(records) == 2
+    rows = rl.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
+    batch = rl.collate_rollouts(rows, pad_id=0, device="cpu")
+    with torch.no_grad():
+        sampler, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], kwargs["sampling"])
+        learner, _ = rl.token_logprobs(newer, batch["inputs"], batch["targets"], kwargs["sampling"])
+    assert ((sampler - batch["behavior"]).abs() * batch["mask"]).max() < 1e-4  # the behavior log-probs: the sampler's
+    assert ((learner - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
+    # The loop: step 1 is sampled by the start weights (age 0), every later step by the weights one update older.
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "3", "--eval-every", "3", "--async")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split("age ")[1].split()[0] for line in lines] == ["0", "1", "1"]
+    # and the learner sees it: its log-probs differ from the behavior ones once the sampler is a version behind
+    gaps = [float(line.split("| gap ")[1].split()[0]) for line in lines]
+    assert gaps[0] < 1e-5 and min(gaps[1:]) > 1e-3
