@@ -1167,11 +1167,13 @@ def main(argv=None):
         ptgs = TemperatureController(args.ptgs_target, args.ptgs_tau, args.temperature, args.ptgs_gamma,
                                      args.ptgs_prior, seed=mix_seed(args.seed, "ptgs", rank))
     start_step, history = 0, []
+    source_totals = Counter()  # per-source sums over the run's steps, for the report (checkpointed)
     if resume:
         _, _, extra = load_checkpoint(resume, device=device)
         for optimizer, state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(state)
         start_step, history = extra["step"], extra["history"]
+        source_totals.update(extra["source_totals"])
         if critic is not None:
             critic.load_state_dict(extra["critic"])
             for optimizer, state in zip(critic_optimizers, extra["critic_optimizers"]):
@@ -1207,7 +1209,8 @@ def main(argv=None):
     def save(step, finished):
         if rank != 0:
             return
-        extra = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history}
+        extra = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
+                 "source_totals": dict(source_totals)}
         if critic is not None:
             extra.update(critic=critic.state_dict(), critic_optimizers=[o.state_dict() for o in critic_optimizers])
         if ptgs is not None:  # rank 0's controller (each rank keeps its own; its prompts differ)
@@ -1228,7 +1231,6 @@ def main(argv=None):
         worker.submit(start_step, start_step, model, mix_seed(args.seed, start_step))
 
     t_start = time.time()
-    source_totals = Counter()  # per-source sums over this run's steps, for the report
     for step in range(start_step, args.num_steps):
         # 1-2. Rollout and score: this rank's groups, with dynamic sampling.
         synchronize(device)
