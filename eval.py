@@ -55,7 +55,7 @@ import torch.distributed as dist
 import common
 import report
 from common import autocast_ctx, format_eta, get_dist_info, print0
-from engine import Engine
+from engine import Engine, load_model
 from tasks import (GSM8K, LETTERS, MultipleChoice, SyntheticTask, canonical_number, collate, completion_reward,
                    extract_final_answer, pretraining_batches, pretraining_texts, token_budget_batches)
 
@@ -505,7 +505,7 @@ def main(argv=None):
         t_stage = time.time()
         # The step folder with links resolved: what the report uses to tell checkpoints apart.
         ckpt = common.resolve_checkpoint(args.ckpt or common.checkpoint_dir(stage)).resolve()
-        model, tokenizer, meta = common.load_model(ckpt, device)
+        model, tokenizer, meta = load_model(ckpt, device)
         engine = Engine(model, tokenizer)
         task_names = [name.strip() for name in (args.tasks or preset["base_tasks" if stage == "base" else "chat_tasks"])
                       .split(",") if name.strip()]

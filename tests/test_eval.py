@@ -21,9 +21,9 @@ import common
 import eval as ev
 from conftest import scripted_model
 from engine import Engine
+from model import GPT, GPTConfig
 import report
 from report import pass_at_k
-from model import GPT, GPTConfig
 from tasks import SyntheticTask, collate, synthetic_documents
 from tokenizer import Tokenizer
 
@@ -331,16 +331,16 @@ DDP_SCRIPT = """
 import json, sys
 import torch
 import common, eval as ev
-from engine import Engine
+from engine import Engine, load_model
 from tasks import SyntheticTask
 
 torch.set_num_threads(1)
 out, scripted_dir, random_dir, items_path = sys.argv[1:]
 _, rank, _, world_size, device = common.compute_init("cpu")
-model, tokenizer, _ = common.load_model(scripted_dir, device)
+model, tokenizer, _ = load_model(scripted_dir, device)
 generative = ev.evaluate_generative(Engine(model, tokenizer), SyntheticTask("test", size=40), list(range(40)),
                                     num_samples=2, ks=(1, 2), max_tokens=8, temperature=0.0, batch_size=8)
-model, tokenizer, _ = common.load_model(random_dir, device)
+model, tokenizer, _ = load_model(random_dir, device)
 items = json.load(open(items_path))
 base = ev.evaluate_multiple_choice(model, tokenizer, items, "continuation", num_shots=1, batch_size=8)
 chat = ev.evaluate_multiple_choice_chat(model, tokenizer, items, batch_size=4)

@@ -11,8 +11,8 @@ import pytest
 import common
 import dpo
 import eval as ev
-import report
 import pretrain
+import report
 import rl
 import sft
 import tasks
