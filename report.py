@@ -23,7 +23,8 @@ import torch
 import common
 from common import format_eta, print0
 
-PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl", "ppo", "rm", "rlhf", "merge")  # the report card's order (pretrain.py: "pretrain")
+# The report card's order of the stages (pretrain.py's record says "pretrain", its checkpoint is "base").
+PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl", "ppo", "rm", "rlhf", "merge")
 
 # -----------------------------------------------------------------------------
 # pass@k and coverage

@@ -83,6 +83,10 @@ else
   PRESET=tiny
   LAUNCH=(python)
   echo "speedrun: no GPU found -> tiny preset (offline synthetic data, CPU)"
+  # One torch thread per core this process may run on (nproc: 2 on the reference machine): the tiny stages slow down
+  # badly when more threads than cores share them. An OMP_NUM_THREADS already set is kept.
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
+  echo "speedrun: OMP_NUM_THREADS=$OMP_NUM_THREADS torch threads per stage"
 fi
 echo "speedrun: writing to $NANOPOST_HOME; wandb run: $RUN"
 STAGE_FLAGS=(--preset "$PRESET" --run "$RUN" --resume)

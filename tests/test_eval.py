@@ -198,7 +198,8 @@ def coverage_entry(correct, **changes):
 
 def test_compare_refuses_mismatched_evals():
     sft = coverage_entry([0, 1, 4, 2])
-    assert report.paired_tax("synthetic", "sft", sft, "rl", coverage_entry([4, 4, 0, 0]))["dA"] == pytest.approx(-5 / 16)
+    paired = report.paired_tax("synthetic", "sft", sft, "rl", coverage_entry([4, 4, 0, 0]))
+    assert paired["dA"] == pytest.approx(-5 / 16)
     other_problems = ev.problem_set_id(SyntheticTask("test", size=5), range(1, 5))
     for changes in ({"samples": 8}, {"temperature": 0.7}, {"max_tokens": 64}, {"top_k": 20},
                     {"problems": other_problems}):
@@ -424,8 +425,9 @@ def test_cli_multiple_choice_from_local_files(trained_model, tokenizer, tmp_path
     rows = [{"id": str(i), "question": item["question"], "answerKey": "ABCD"[item["answer"]],
              "choices": {"text": item["choices"], "label": list("ABCD")}} for i, item in enumerate(ITEMS)]
     # The flat layout of $NANOPOST_DATA_DIR (tasks.local_files): <root>/<repo>/<config>/<split>.jsonl.
-    (tmp_path / "data" / "allenai/ai2_arc" / "ARC-Easy").mkdir(parents=True)
-    (tmp_path / "data" / "allenai/ai2_arc" / "ARC-Easy" / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    folder = tmp_path / "data" / "allenai/ai2_arc" / "ARC-Easy"
+    folder.mkdir(parents=True)
+    (folder / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     monkeypatch.setenv("NANOPOST_DATA_DIR", str(tmp_path / "data"))
     common.save_checkpoint(tmp_path / "ckpt", 5, trained_model, {}, tokenizer=tokenizer)
     for stage in ("base", "sft"):  # base: log-likelihood of the answer text; sft: log-prob of the letter

@@ -3,7 +3,8 @@ The layering of the modules, from their imports (parsed with ast, imports inside
 
     shared modules   common, model, tokenizer, tasks, engine   import only each other
     report           report.py                                  imports only shared modules
-    eval             eval.py                                    imports shared modules and report (it re-renders the card)
+    eval             eval.py                                    imports shared modules and report
+                                                                (its CLI re-renders the card)
     stage scripts    pretrain, sft, dpo, rl, rm, merge, serve   import shared modules and eval
 
 Nothing imports a stage script, and there is no import circle anywhere (a module that imports itself through
