@@ -450,6 +450,47 @@ def resume_checkpoint(ckpt_dir):
     return path
 
 
+# -----------------------------------------------------------------------------
+# What every training stage (pretrain, sft, dpo, rl, rm) shares: the common flags, and the start of a --resume.
+
+
+def add_stage_flags(parser, presets, preset, seed, out, resume, ckpt=None, run="wandb run name ('dummy': no logging)"):
+    """
+    Add the flags every training stage has: --preset (the keys of `presets`, default tiny), --device, --seed (default
+    0), --run (default dummy), --ckpt (only when its help is given: pretrain starts from scratch), --out and
+    --resume. The other arguments are the stage's own help texts of those flags.
+    """
+    parser.add_argument("--preset", choices=sorted(presets), default="tiny", help=preset)
+    parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
+    parser.add_argument("--seed", type=int, default=0, help=seed)
+    parser.add_argument("--run", default="dummy", help=run)
+    if ckpt is not None:
+        parser.add_argument("--ckpt", default=None, help=ckpt)
+    parser.add_argument("--out", default=None, help=out)
+    parser.add_argument("--resume", action="store_true", help=resume)
+
+
+FINISHED = "finished"  # resume_or_finish: the stage's checkpoint is final, nothing is left to do
+
+
+def resume_or_finish(out_dir, resume, stage):
+    """
+    The step folder a stage's --resume continues from (resume_checkpoint: the newest whole one in out_dir), or None
+    when --resume is off or out_dir holds no checkpoint. When that checkpoint is marked finished it says so, calls
+    compute_cleanup() and returns FINISHED, and the stage's main returns: speedrun.sh reruns every stage with
+    --resume, and a finished one has nothing left to do.
+    """
+    if not resume or not has_checkpoint(out_dir):
+        return None
+    path = resume_checkpoint(out_dir)
+    meta = verify_checkpoint(path)  # cached: loading the checkpoint after this does not hash its files again
+    if meta.get("finished"):
+        print0(f"{stage} already finished ({out_dir}, step {meta['step']}); nothing to do")
+        compute_cleanup()
+        return FINISHED
+    return path
+
+
 def load_checkpoint(ckpt_dir, step=None, device="cpu"):
     """
     (model_state_dict, meta, extra_or_None) of a checkpoint, files verified; tensors are mapped to `device`.
@@ -471,28 +512,6 @@ def _torch_load(file, meta, device):
     except Exception as e:  # a damaged zip or pickle: torch's reader has many ways to say so
         raise CheckpointError(f"checkpoint {file.parent} (step {meta.get('step')}): {file.name} does not load "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-
-
-def load_model(ckpt_dir, device, step=None):
-    """
-    Rebuild the model and its tokenizer from a checkpoint folder: (model, tokenizer, meta), model in eval mode.
-    The model is a GPT, or a ScalarHeadModel (GPT trunk + scalar head) when meta["reward_model"] is set (rm.py).
-    """
-    # Imported here: model.py and tokenizer.py are leaves that never import common.py, and keeping it that
-    # way means any of them can be read (and forked) on its own.
-    from model import GPT, GPTConfig, ScalarHeadModel
-    from tokenizer import Tokenizer
-
-    model_state, meta, _ = load_checkpoint(ckpt_dir, step, device=device)
-    path = resolve_checkpoint(ckpt_dir, step)
-    model = GPT(GPTConfig(**meta["model_config"]))
-    if meta.get("reward_model"):
-        model = ScalarHeadModel(model)
-    model = model.to(device)
-    model.load_state_dict(model_state, strict=True)
-    model.eval()
-    tokenizer = Tokenizer.load(path / "tokenizer")
-    return model, tokenizer, meta
 
 
 # -----------------------------------------------------------------------------

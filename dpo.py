@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
-from engine import Engine
+from engine import Engine, load_model
 from eval import evaluate_generative, self_generated_pairs
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
 from tasks import (GSM8K, NgramIndex, SyntheticTask, collate, evaluation_texts, preference_mixture, prepare_rows,
@@ -317,14 +317,10 @@ def build_pairs(args, model, tokenizer, split, max_seq_len):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Preference optimisation (DPO and variants) of the SFT model.")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="defaults for the flags below")
-    parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
-    parser.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
-    parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no logging)")
-    parser.add_argument("--ckpt", default=None, help="SFT checkpoint: the initial policy and the reference "
-                        "(default: checkpoints/sft)")
-    parser.add_argument("--out", default=None, help="where to save (default: checkpoints/dpo)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    common.add_stage_flags(parser, PRESETS, preset="defaults for the flags below", seed="data order and sampling seed",
+                           ckpt="SFT checkpoint: the initial policy and the reference (default: checkpoints/sft)",
+                           out="where to save (default: checkpoints/dpo)",
+                           resume="continue from the latest checkpoint in --out")
     parser.add_argument("--pairs", choices=("ultrafeedback", "synthetic", "self-generated"),
                         help="preference data: the hub set, the synthetic pairs, or pairs sampled from the SFT model "
                              "and labelled by --task's verifier")
@@ -374,17 +370,12 @@ def main(argv=None):
     ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
     stage_start = time.time()
     out_dir = args.out or common.checkpoint_dir("dpo")
-    resume_state = None
-    if args.resume and common.has_checkpoint(out_dir):
-        state, meta, extra = common.load_checkpoint(common.resume_checkpoint(out_dir), device=device)
-        if meta.get("finished"):
-            print0(f"dpo already finished ({out_dir}, step {meta['step']}); nothing to do")
-            compute_cleanup()
-            return
-        resume_state = (state, extra)
+    resume = common.resume_or_finish(out_dir, args.resume, "dpo")  # the step folder to continue from, or None
+    if resume is common.FINISHED:
+        return
 
     # The SFT model is both the initial policy and the reference.
-    model, tokenizer, sft_meta = common.load_model(args.ckpt or common.checkpoint_dir("sft"), device)
+    model, tokenizer, sft_meta = load_model(args.ckpt or common.checkpoint_dir("sft"), device)
     max_seq_len = args.max_seq_len or model.config.sequence_len
     args.device_batch_tokens = common.batch_tokens_for_device(
         "dpo", None if fit_batch else args.device_batch_tokens, device, model.config, args.device_batch_tokens,
@@ -440,8 +431,8 @@ def main(argv=None):
            f"pref loss {before['loss']:.4f}, accuracy {before['rewards/accuracy']:.1%}")
 
     start_step = 0
-    if resume_state is not None:
-        state, extra = resume_state
+    if resume:
+        state, _, extra = common.load_checkpoint(resume, device=device)
         model.load_state_dict(state)
         for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(optimizer_state)

@@ -393,6 +393,33 @@ class Engine:
 
 
 # -----------------------------------------------------------------------------
+# Loading a checkpoint: the model and the tokenizer saved with it
+
+
+def load_model(ckpt_dir, device, step=None):
+    """
+    Rebuild the model and its tokenizer from a checkpoint folder: (model, tokenizer, meta), model in eval mode.
+    The model is a GPT, or a ScalarHeadModel (GPT trunk + scalar head) when meta["reward_model"] is set (rm.py).
+    """
+    # Imported here, so that importing engine.py needs only torch. It lives here, not in common.py, because
+    # tokenizer.py's CLI imports common: common.py imports no other module of the project (tests/test_layout.py).
+    from common import load_checkpoint, resolve_checkpoint
+    from model import GPT, GPTConfig, ScalarHeadModel
+    from tokenizer import Tokenizer
+
+    model_state, meta, _ = load_checkpoint(ckpt_dir, step, device=device)
+    path = resolve_checkpoint(ckpt_dir, step)
+    model = GPT(GPTConfig(**meta["model_config"]))
+    if meta.get("reward_model"):
+        model = ScalarHeadModel(model)
+    model = model.to(device)
+    model.load_state_dict(model_state, strict=True)
+    model.eval()
+    tokenizer = Tokenizer.load(path / "tokenizer")
+    return model, tokenizer, meta
+
+
+# -----------------------------------------------------------------------------
 # Chat CLI
 
 
@@ -457,7 +484,7 @@ def main():
     args = parser.parse_args()
 
     device = torch.device(args.device or common.autodetect_device())
-    model, tokenizer, meta = common.load_model(args.ckpt, device)
+    model, tokenizer, meta = load_model(args.ckpt, device)
     print(f"loaded {args.ckpt} (step {meta.get('step')}, {model.num_params():,} parameters) on {device}",
           file=sys.stderr)
     engine = Engine(model, tokenizer)

@@ -1,12 +1,12 @@
 """
-Evaluate a checkpoint, and render the report card.
+Evaluate a checkpoint; the report card (report.py) is re-rendered after each evaluation.
 
     python eval.py --stage base                               # tiny preset: validation bits per byte
     python eval.py --stage sft                                # + the synthetic task, greedy pass@1
     python eval.py --stage rl --num-samples 16 --k 1,4,16     # pass@k from 16 samples per problem (temperature 1)
     python eval.py --compare sft rl --num-samples 16          # coverage: did RL buy pass@1 with pass@k?
-    python eval.py --report-only                              # re-render $NANOPOST_HOME/report.md
-    torchrun --nproc_per_node=8 eval.py --preset full --stage sft --tasks gsm8k,arc-easy,mmlu --data-dir data/
+    python eval.py --report-only                              # re-render $NANOPOST_HOME/report.md (= python report.py)
+    NANOPOST_DATA_DIR=data torchrun --nproc_per_node=8 eval.py --preset full --stage sft --tasks gsm8k,arc-easy,mmlu
 
 What is measured (--tasks):
 - bpb: bits per byte of the preset's validation text (tasks.pretraining_texts(preset, "val")). Independent of the
@@ -22,21 +22,21 @@ What is measured (--tasks):
   gets the highest log-prob right after <|assistant_start|>, among the choices' letters. No sampling and no parsing,
   so a model that would ramble first is still scored on what it believes.
 - synthetic, gsm8k: generative. num_samples completions per problem from the engine (calculator on), checked by
-  the task's strict verifier. pass@k is the unbiased estimator (pass_at_k) averaged over problems. One sample is
+  the task's strict verifier. pass@k is the unbiased estimator (report.pass_at_k) averaged over problems. One sample is
   greedy by default; several are sampled at temperature 1, the policy's own distribution. Next to pass@k, maj@k
   (k > 1): is the majority answer of the first k samples the right one (majority_vote: no-answer completions do
   not vote; a tie goes to the answer sampled first)? pass@k asks whether any sample is right, maj@k whether the
   model can tell by voting, without a verifier.
 - coverage (from the same per-problem counts, in the report): the pass@k curve k = 1..n averaged over problems,
-  the coverage gain A = pass@n - pass@1 and S = A / (1 - pass@1), with bootstrap intervals over problems.
+  the coverage gain A = pass@n - pass@1 and S = A / (1 - pass@1), with bootstrap intervals over problems (report.py).
   RL that sharpens a model raises pass@1 and shrinks A and S: it samples what it could already find more often.
-  The Sharpening tax between two stages is the paired change dA, dS (paired_coverage_delta): one bootstrap
+  The Sharpening tax between two stages is the paired change dA, dS (report.paired_coverage_delta): one bootstrap
   resample of the problems scores both stages. Only evaluations with the same n, temperature, top-k, max_tokens
-  and problems (recorded with the counts) are compared; others are refused with the reason (check_comparable).
+  and problems (recorded with the counts) are compared; others are refused with the reason (report.check_comparable).
 
 Each checkpoint evaluated appends {"stage": "eval", "of": <stage>, "metrics": {...}, "coverage": {...}} to
-report.jsonl (common.append_report) and report.md is re-rendered. Under torchrun every rank takes every
-world_size-th problem and the exact counts are summed across ranks (at temperature 0 the result is the one a
+report.jsonl (common.append_report) and report.md is re-rendered (report.write_report). Under torchrun every rank
+takes every world_size-th problem and the exact counts are summed across ranks (at temperature 0 the result is the one a
 single process gets; sampled completions depend on how problems are batched, so they agree in distribution).
 """
 
@@ -44,34 +44,29 @@ import argparse
 import hashlib
 import json
 import math
-import os
-import platform
 import random
-import subprocess
 import time
 from collections import Counter
 from itertools import islice
-from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import common
+import report
 from common import autocast_ctx, format_eta, get_dist_info, print0
-from engine import Engine
+from engine import Engine, load_model
 from tasks import (GSM8K, LETTERS, MultipleChoice, SyntheticTask, canonical_number, collate, completion_reward,
                    extract_final_answer, pretraining_batches, pretraining_texts, token_budget_batches)
 
 STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "merge")  # the checkpoints eval.py evaluates
-PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl", "ppo", "rm", "rlhf", "merge")  # the report card's order (pretrain.py: "pretrain")
 GENERATIVE_TASKS = ("synthetic", "gsm8k")
 MC_TASKS = tuple(MultipleChoice.SOURCES)  # arc-easy, arc-challenge, mmlu
 MC_STYLE = {"arc-easy": "continuation", "arc-challenge": "continuation", "mmlu": "letter"}
 MC_SHOTS = {"arc-easy": 0, "arc-challenge": 0, "mmlu": 5}
 
 PRESETS = {
-    # tiny: the synthetic world only (offline, seconds on a CPU). Hub tasks need --preset full or --data-dir.
+    # tiny: the synthetic world only (offline, seconds on a CPU). Hub tasks need --preset full.
     # bpb_tokens: the validation tokens of pretrain.py's presets, so the base checkpoint's bpb is its final val_bpb.
     "tiny": {"base_tasks": "bpb", "chat_tasks": "bpb,synthetic", "max_problems": 200, "max_tokens": 96,
              "bpb_tokens": 16384, "batch_size": 32},
@@ -81,142 +76,6 @@ PRESETS = {
     "full": {"base_tasks": "bpb,arc-easy,arc-challenge,mmlu", "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu",
              "max_problems": None, "max_tokens": 512, "bpb_tokens": 10 * 524288, "batch_size": 32},
 }
-
-# -----------------------------------------------------------------------------
-# pass@k and coverage
-
-
-def pass_at_k(n, c, k):
-    """
-    Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, "Evaluating Large Language Models
-    Trained on Code", eq. 1):
-
-        pass@k = 1 - C(n - c, k) / C(n, k)
-
-    the probability that k samples drawn without replacement from the n contain at least one correct one.
-    Computed as 1 - prod_{i=n-c+1}^{n} (1 - k / i), which never forms the huge binomials.
-    """
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def pass_at_k_curve(correct, n):
-    """[pass@1, ..., pass@n] averaged over problems; correct[i] = correct samples of problem i out of n."""
-    if not correct:
-        raise ValueError("pass_at_k_curve needs at least one problem")
-    return [sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in range(1, n + 1)]
-
-
-def _coverage(p1, pk):
-    """A and S from mean pass@1 and mean pass@K; S is nan where pass@1 = 1 (nothing left to gain)."""
-    gain = pk - p1
-    with np.errstate(divide="ignore", invalid="ignore"):
-        normalised = np.where(p1 < 1, gain / (1 - p1), np.nan)
-    return gain, normalised
-
-
-def coverage_gain(correct, n):
-    """
-    How much more n samples solve than one, from per-problem counts (correct[i] of n samples right):
-
-        A = pass@n - pass@1,    S = A / (1 - pass@1)
-
-    with pass@k averaged over problems. A is the coverage a bigger sampling budget buys; S is the fraction of what
-    pass@1 left unsolved that it buys (0: sampling more finds nothing new; 1: everything is found). S is nan when
-    pass@1 = 1. Returns (pass@1, pass@n, A, S).
-    """
-    if not correct:
-        raise ValueError("coverage_gain needs at least one problem")
-    p1 = sum(c / n for c in correct) / len(correct)
-    pn = sum(c > 0 for c in correct) / len(correct)  # pass@n of one problem is 1 if any sample is right
-    gain, normalised = _coverage(np.float64(p1), np.float64(pn))
-    return p1, pn, float(gain), float(normalised)
-
-
-def bootstrap_coverage(correct, n, num_resamples=1000, confidence=0.95, seed=0):
-    """
-    Percentile bootstrap intervals of A and S (coverage_gain) over problems: resample the problems with
-    replacement num_resamples times, recompute A and S on each resample, and keep the central `confidence` mass.
-    Resamples where S is undefined (pass@1 = 1) are left out of S's interval. Pure and seeded: same inputs, same
-    intervals. Returns {"A": (low, high), "S": (low, high)}; an interval is (nan, nan) when nothing is left.
-    """
-    per_problem = np.array(correct, dtype=np.float64)
-    p1, pn = per_problem / n, (per_problem > 0).astype(np.float64)  # (P,) each
-    picks = np.random.default_rng(seed).integers(0, len(per_problem), size=(num_resamples, len(per_problem)))
-    gain, normalised = _coverage(p1[picks].mean(1), pn[picks].mean(1))  # (num_resamples,) each
-    tails = [(1 - confidence) / 2, (1 + confidence) / 2]
-    intervals = {}
-    for name, values in (("A", gain), ("S", normalised)):
-        values = values[np.isfinite(values)]
-        intervals[name] = tuple(float(v) for v in np.quantile(values, tails)) if len(values) else (math.nan, math.nan)
-    return intervals
-
-
-def paired_coverage_delta(correct_a, correct_b, n, num_resamples=1000, confidence=0.95, seed=0):
-    """
-    The change of coverage from stage a to stage b (e.g. SFT -> RL) on the same problems, the Sharpening tax:
-
-        dA = A_b - A_a,    dS = S_b - S_a      (A = pass@n - pass@1, S = A / (1 - pass@1); coverage_gain)
-
-    with paired percentile bootstrap intervals: each resample draws the problems once, with replacement, and both
-    stages' A and S are computed on that same draw, dA_r = A_b(I_r) - A_a(I_r). What makes one problem easy for both
-    stages cancels in the difference, so the interval is the uncertainty of the change itself (two separate
-    intervals, compared by eye, are too wide and not a test of it). correct_a[i], correct_b[i]: correct samples of
-    problem i out of n, the same problem i for both. Resamples where dS is undefined (pass@1 = 1 for either stage)
-    are left out of dS's interval. Pure and seeded. Returns {"dA", "dS", "dA_interval", "dS_interval"}.
-    """
-    if len(correct_a) != len(correct_b) or not correct_a:
-        raise ValueError(f"a paired comparison needs the same problems for both stages; got {len(correct_a)} and "
-                         f"{len(correct_b)} per-problem counts")
-    picks = np.random.default_rng(seed).integers(0, len(correct_a), size=(num_resamples, len(correct_a)))
-    resampled = []
-    for correct in (correct_a, correct_b):
-        per_problem = np.array(correct, dtype=np.float64)
-        resampled.append(_coverage((per_problem / n)[picks].mean(1), (per_problem > 0)[picks].mean(1)))
-    (gain_a, normalised_a), (gain_b, normalised_b) = resampled  # (num_resamples,) each
-    _, _, point_gain_a, point_normalised_a = coverage_gain(correct_a, n)
-    _, _, point_gain_b, point_normalised_b = coverage_gain(correct_b, n)
-    result = {"dA": point_gain_b - point_gain_a, "dS": point_normalised_b - point_normalised_a}
-    tails = [(1 - confidence) / 2, (1 + confidence) / 2]
-    for name, values in (("dA", gain_b - gain_a), ("dS", normalised_b - normalised_a)):
-        values = values[np.isfinite(values)]
-        result[f"{name}_interval"] = (tuple(float(v) for v in np.quantile(values, tails)) if len(values)
-                                      else (math.nan, math.nan))
-    return result
-
-
-# What two evaluations of a generative task must share to be compared problem by problem (eval records' coverage).
-PAIRED_SETTINGS = ("samples", "temperature", "top_k", "max_tokens", "problems")
-
-
-def check_comparable(task, stage_a, counts_a, stage_b, counts_b):
-    """
-    Raise ValueError unless the coverage entries of two stages (an eval record's coverage[task]) can be compared
-    problem by problem: the same number of samples n, temperature, top-k, max_tokens, and problem set (the hash of
-    problem_set_id). Anything else changes pass@k for reasons other than the checkpoint.
-    """
-    for stage, counts in ((stage_a, counts_a), (stage_b, counts_b)):
-        missing = [key for key in PAIRED_SETTINGS if key not in counts]
-        if missing:
-            raise ValueError(f"cannot compare {stage_a} and {stage_b} on {task}: the evaluation of {stage} does not "
-                             f"record {', '.join(missing)} (an older eval.py); evaluate both again, e.g. "
-                             f"python eval.py --compare {stage_a} {stage_b} --num-samples N --tasks {task}")
-    differ = [f"{key} {counts_a[key]!r} vs {counts_b[key]!r}" for key in PAIRED_SETTINGS
-              if counts_a[key] != counts_b[key]]
-    if differ:
-        raise ValueError(f"cannot compare {stage_a} and {stage_b} on {task}: their evaluations differ in "
-                         f"{'; '.join(differ)}; evaluate both with the same settings, e.g. "
-                         f"python eval.py --compare {stage_a} {stage_b} --num-samples N --tasks {task}")
-
-
-def paired_tax(task, stage_a, counts_a, stage_b, counts_b, **bootstrap):
-    """paired_coverage_delta of two stages' coverage entries for `task`, after check_comparable."""
-    check_comparable(task, stage_a, counts_a, stage_b, counts_b)
-    return paired_coverage_delta(counts_a["correct"], counts_b["correct"], counts_a["samples"], **bootstrap)
-
 
 def problem_set_id(task, indices):
     """A short hash of the problems task[i], i in `indices`, in order: equal ids mean the same problems."""
@@ -518,7 +377,7 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
     correct = correct.cpu()
     result = {"correct": correct, "samples": num_samples, "errors": int(errors), "truncated": int(truncated)}
     for k in ks:
-        result[f"pass@{k}"] = sum(pass_at_k(num_samples, int(c), k) for c in correct) / max(len(indices), 1)
+        result[f"pass@{k}"] = sum(report.pass_at_k(num_samples, int(c), k) for c in correct) / max(len(indices), 1)
     if int(voted_on):
         result.update({f"maj@{k}": float(majority[:, j].sum()) / int(voted_on) for j, k in enumerate(maj_ks)})
     return result
@@ -566,315 +425,20 @@ def self_generated_pairs(engine, task, indices, num_samples, max_tokens, tempera
 # Loading the tasks
 
 
-def local_file(data_dir, name):
-    """The file of task `name` in --data-dir ({name}.parquet, .jsonl or .json, hub schema); None without --data-dir."""
-    if data_dir is None:
-        return None
-    candidates = [Path(data_dir) / f"{name}{suffix}" for suffix in (".parquet", ".jsonl", ".json")]
-    for path in candidates:
-        if path.exists():
-            return str(path)
-    raise FileNotFoundError(f"--data-dir has no file for task {name!r}; expected one of "
-                            f"{', '.join(str(p) for p in candidates)} with the hub dataset's columns")
-
-
-def load_task(name, data_dir=None, size=None):
-    """The held-out split of a generative or multiple-choice task; the first `size` problems if given."""
+def load_task(name, size=None):
+    """
+    The held-out split of a generative or multiple-choice task; the first `size` problems if given. Hub tasks are read
+    like every other loader's: from $NANOPOST_DATA_DIR when set (tasks.local_files), else from the hub.
+    """
     if name == "synthetic":
         return SyntheticTask("test", size=size or 1000, seed=0)
     if name == "gsm8k":
-        return GSM8K("test", local=local_file(data_dir, name), size=size)
+        return GSM8K("test", size=size)
     if name in MC_TASKS:
-        return MultipleChoice(name, "test", local=local_file(data_dir, name), size=size)
+        return MultipleChoice(name, "test", size=size)
     raise ValueError(f"unknown task {name!r}; expected bpb or one of {GENERATIVE_TASKS + MC_TASKS}")
 
 
-# -----------------------------------------------------------------------------
-# The report card
-
-
-def environment():
-    """What the report was rendered on: git commit, python, torch and devices of this machine."""
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True,
-                                  text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    commit = git("rev-parse", "--short=12", "HEAD") or "unknown (not a git checkout)"
-    if git("status", "--porcelain", "--untracked-files=no"):
-        commit += " + uncommitted changes"
-    if torch.cuda.is_available():
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        devices = ", ".join(f"{names.count(name)} x {name}" for name in dict.fromkeys(names))
-    else:
-        devices = f"CPU only ({os.cpu_count()} cores)"
-    return {"git commit": commit, "python": platform.python_version(), "torch": torch.__version__,
-            "devices": devices, "rendered": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-def _is_curve(value):
-    return isinstance(value, dict) and isinstance(value.get("step"), list)
-
-
-def curves_of(record):
-    """
-    The training curves a stage stored in its report record: every dict value (at any depth) holding a "step"
-    list, e.g. record["curve"] = {"step": [...], "loss": [...], "lr": [...]}. Returns {name: {series: (steps, values)}}
-    with the series that have one value per step.
-    """
-    found = {}
-    for key, value in record.items():
-        if _is_curve(value):
-            found[key] = {name: (value["step"], values) for name, values in value.items()
-                          if name != "step" and isinstance(values, list) and len(values) == len(value["step"])}
-        elif isinstance(value, dict):
-            found.update({f"{key}/{name}": series for name, series in curves_of(value).items()})
-    return found
-
-
-def scalars_of(record, prefix=""):
-    """A record's scalar values as {name: value}, nested dicts flattened to "outer/inner", lists and curves left out."""
-    flat = {}
-    for key, value in record.items():
-        if isinstance(value, dict) and not _is_curve(value):
-            flat.update(scalars_of(value, f"{prefix}{key}/"))
-        elif isinstance(value, (int, float, str, bool)) or value is None:
-            flat[prefix + key] = value
-    return flat
-
-
-def format_value(value):
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "n/a"
-        return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.4g}"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:,}"
-    return "" if value is None else str(value)
-
-
-def latest_stage_records(records):
-    """{stage: its latest record} of the training stages (not eval), in pipeline order, then any others as they come."""
-    latest = {}
-    for record in records:
-        if record.get("stage") != "eval":
-            latest[record.get("stage")] = record
-    order = {stage: i for i, stage in enumerate(PIPELINE)}
-    return dict(sorted(latest.items(), key=lambda item: order.get(item[0], len(order))))
-
-
-def merged_evals(records):
-    """
-    {stage: {"metrics": {...}, "coverage": {...}, "step": ...}} from the eval records, in file order. A later run on
-    the same checkpoint (same ckpt and step) overrides the metrics it measured again and keeps the others (e.g.
-    GSM8K evaluated in a separate run); a run on a new checkpoint of the stage starts the stage's entry afresh.
-    """
-    merged = {}
-    for record in records:
-        if record.get("stage") != "eval":
-            continue
-        checkpoint = (record.get("ckpt"), record.get("step"))
-        entry = merged.get(record["of"])
-        if entry is None or entry["checkpoint"] != checkpoint:
-            entry = merged[record["of"]] = {"metrics": {}, "coverage": {}, "step": record.get("step"),
-                                            "checkpoint": checkpoint}
-        entry["metrics"].update(record.get("metrics", {}))
-        entry["coverage"].update(record.get("coverage", {}))
-    order = {stage: i for i, stage in enumerate(PIPELINE)}
-    return dict(sorted(merged.items(), key=lambda item: order.get(item[0], len(order))))
-
-
-def coverage_rows(evals):
-    """
-    One row per (task, stage) with per-problem counts from more than one sample: (task, stage, n, problems,
-    pass@1, pass@n, A, S, A interval, S interval).
-    """
-    rows = []
-    tasks = dict.fromkeys(task for entry in evals.values() for task in entry["coverage"])
-    for task in tasks:
-        for stage, entry in evals.items():
-            counts = entry["coverage"].get(task)
-            if counts is None or counts["samples"] < 2:
-                continue
-            n, correct = counts["samples"], counts["correct"]
-            intervals = bootstrap_coverage(correct, n)
-            rows.append((task, stage, n, len(correct), *coverage_gain(correct, n), intervals["A"], intervals["S"]))
-    return rows
-
-
-def coverage_table(rows):
-    """Markdown lines of the coverage table (coverage_rows)."""
-    def with_interval(value, interval):
-        if math.isnan(value):
-            return "n/a"
-        return f"{value:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
-
-    lines = ["| task | stage | n | problems | pass@1 | pass@n | A = pass@n - pass@1 [95% CI] "
-             "| S = A / (1 - pass@1) [95% CI] |", "|---|---|---|---|---|---|---|---|"]
-    for task, stage, n, problems, p1, pn, gain, normalised, gain_interval, normalised_interval in rows:
-        lines.append(f"| {task} | {stage} | {n} | {problems} | {p1:.3f} | {pn:.3f} | "
-                     f"{with_interval(gain, gain_interval)} | {with_interval(normalised, normalised_interval)} |")
-    return lines
-
-
-def paired_rows(evals, stages=None):
-    """
-    One row per task and pair of stages (earlier, later in pipeline order) with per-problem counts from more than
-    one sample: (task, stage_a, stage_b, paired_tax(...) or the ValueError saying why they cannot be compared).
-    `stages`: only these (default: every evaluated stage).
-    """
-    rows = []
-    tasks = dict.fromkeys(task for entry in evals.values() for task in entry["coverage"])
-    for task in tasks:
-        sampled = [(stage, entry["coverage"][task]) for stage, entry in evals.items()
-                   if (stages is None or stage in stages) and entry["coverage"].get(task, {}).get("samples", 0) > 1]
-        for i, (stage_a, counts_a) in enumerate(sampled):
-            for stage_b, counts_b in sampled[i + 1:]:
-                try:
-                    rows.append((task, stage_a, stage_b, paired_tax(task, stage_a, counts_a, stage_b, counts_b)))
-                except ValueError as error:
-                    rows.append((task, stage_a, stage_b, error))
-    return rows
-
-
-def paired_table(rows):
-    """Markdown lines of the paired comparison (paired_rows); a pair that cannot be compared says why."""
-    def with_interval(value, interval):
-        return "n/a" if math.isnan(value) else f"{value:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}]"
-
-    lines = ["| task | from | to | dA [95% CI, paired] | dS [95% CI, paired] |", "|---|---|---|---|---|"]
-    refused = []
-    for task, stage_a, stage_b, result in rows:
-        if isinstance(result, Exception):
-            refused.append(f"- {task}, {stage_a} -> {stage_b}: not compared. {result}")
-            continue
-        lines.append(f"| {task} | {stage_a} | {stage_b} | {with_interval(result['dA'], result['dA_interval'])} | "
-                     f"{with_interval(result['dS'], result['dS_interval'])} |")
-    return lines + ([""] + refused if refused else [])
-
-
-def draw_plots(records, out_dir):
-    """
-    PNG plots for the report, written to out_dir: each stage's training curves (latest run of the stage) and, per
-    generative task, the pass@k curves of the evaluated stages. Returns {name: path}, or None when matplotlib is
-    not installed (it is optional).
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plots = {}
-    for stage, record in latest_stage_records(records).items():
-        series = [(f"{group}: {name}" if group != "curve" else name, steps, values)
-                  for group, curves in curves_of(record).items() for name, (steps, values) in curves.items()]
-        if not series:
-            continue
-        fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3), squeeze=False)
-        for ax, (name, steps, values) in zip(axes[0], series):
-            ax.plot(steps, values)
-            ax.set_title(name)
-            ax.set_xlabel("step")
-        fig.suptitle(stage)
-        fig.tight_layout()
-        plots[stage] = out_dir / f"{stage}.png"
-        fig.savefig(plots[stage], dpi=100)
-        plt.close(fig)
-    evals = merged_evals(records)
-    for task in dict.fromkeys(task for entry in evals.values() for task in entry["coverage"]):
-        sampled = [(stage, entry["coverage"][task]) for stage, entry in evals.items()
-                   if task in entry["coverage"] and entry["coverage"][task]["samples"] > 1]
-        if not sampled:  # greedy single samples only: no pass@k curve to draw
-            continue
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for stage, counts in sampled:
-            curve = pass_at_k_curve(counts["correct"], counts["samples"])
-            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=stage)
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda k, _: f"{k:g}"))  # 1 2 4 8, not 2^0 ...
-        ax.set_xlabel("k (samples)")
-        ax.set_ylabel("pass@k")
-        ax.set_title(f"{task}: pass@k averaged over problems")
-        ax.legend()
-        fig.tight_layout()
-        plots[f"coverage-{task}"] = out_dir / f"coverage-{task}.png"
-        fig.savefig(plots[f"coverage-{task}"], dpi=100)
-        plt.close(fig)
-    return plots
-
-
-def render_report(records, env, plots=None, plot_root="."):
-    """
-    The report card (markdown) from report records (common.read_report()): the environment, each stage's time and
-    metrics, one table of task metrics across base/SFT/DPO/RL, the coverage table, and links to `plots` (from
-    draw_plots: None means matplotlib was missing) made relative to `plot_root`, the folder of report.md.
-    """
-    lines = ["# nanopost report card", "", "## Environment", "", "| | |", "|---|---|"]
-    lines += [f"| {key} | {value} |" for key, value in env.items()]
-
-    def image(name, caption):
-        if plots and name in plots:
-            lines.extend(["", f"![{caption}]({os.path.relpath(plots[name], plot_root)})"])
-
-    stage_records = latest_stage_records(records)
-    if stage_records:
-        total = sum(r.get("seconds", 0) for r in stage_records.values())
-        lines += ["", "## Stages", "", "| stage | finished | time |", "|---|---|---|"]
-        lines += [f"| {stage} | {r.get('time', '')} | {format_eta(r['seconds']) if 'seconds' in r else ''} |"
-                  for stage, r in stage_records.items()]
-        lines.append(f"| total | | {format_eta(total)} |")
-    for stage, record in stage_records.items():
-        lines += ["", f"### {stage}", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {key} | {format_value(value)} |" for key, value in scalars_of(record).items()
-                  if key not in ("stage", "time")]
-        image(stage, f"{stage} training curves")
-
-    evals = merged_evals(records)
-    if evals:
-        metric_names = list(dict.fromkeys(name for entry in evals.values() for name in entry["metrics"]))
-        lines += ["", "## Task metrics", "", "| metric | " + " | ".join(evals) + " |", "|---" * (len(evals) + 1) + "|"]
-        lines.append("| checkpoint step | " + " | ".join(format_value(e["step"]) for e in evals.values()) + " |")
-        for name in metric_names:
-            cells = [format_value(entry["metrics"].get(name)) for entry in evals.values()]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        lines += ["", "bpb: bits per byte of the validation text (lower is better). Multiple choice (acc): the base "
-                  "model by log-likelihood of each choice (acc_norm: per character), chat stages by the log-prob of "
-                  "the answer letter. pass@k: unbiased estimate from n samples per problem."]
-    rows = coverage_rows(evals)
-    if rows:
-        lines += ["", "## Coverage", "", "From the same per-problem counts: how much more n samples solve than one. "
-                  "A stage that sharpens its policy raises pass@1 and lowers A and S.", ""]
-        lines += coverage_table(rows)
-        lines += ["", "The Sharpening tax, paired: dA = A(to) - A(from) and dS = S(to) - S(from) on the same problems, "
-                  "with intervals from one bootstrap resample of the problems shared by both stages. An interval "
-                  "below 0 means the later stage lost coverage.", ""]
-        lines += paired_table(paired_rows(evals))
-        for task in dict.fromkeys(row[0] for row in rows):
-            image(f"coverage-{task}", f"{task} pass@k curves")
-    has_curves = any(curves_of(r) for r in stage_records.values())
-    if plots is None and (has_curves or rows):
-        lines += ["", "(Plots skipped: matplotlib is not installed. `pip install matplotlib` and rerun "
-                  "`python eval.py --report-only`.)"]
-    return "\n".join(lines) + "\n"
-
-
-def write_report():
-    """Render $NANOPOST_HOME/report.md (and its plots under report_plots/) from report.jsonl. Returns its path."""
-    base_dir = common.get_base_dir()
-    records = common.read_report()
-    plots = draw_plots(records, base_dir / "report_plots")
-    path = base_dir / "report.md"
-    path.write_text(render_report(records, environment(), plots, plot_root=base_dir))
-    return path
-
-
-# -----------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -905,16 +469,15 @@ def main(argv=None):
                         help="validation tokens for bpb (default: as pretrain.py, tiny 16384, full 5.2M)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="prompts per generation batch, rows per forward pass (default 32)")
-    parser.add_argument("--data-dir", default=None,
-                        help="local task files {task}.parquet|.jsonl|.json with the hub schema, instead of downloading")
     parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
     parser.add_argument("--seed", type=int, default=0, help="seed of sampling and of few-shot draws")
     parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no logging)")
-    parser.add_argument("--report-only", action="store_true", help="only re-render report.md from report.jsonl")
+    parser.add_argument("--report-only", action="store_true", help="only re-render report.md from report.jsonl "
+                        "(as python report.py)")
     args = parser.parse_args(argv)
 
     if args.report_only:
-        print0(f"wrote {write_report()}")
+        print0(f"wrote {report.write_report()}")
         return
     preset = PRESETS[args.preset]
     stages = [s for entry in args.compare for s in entry.split(",") if s] if args.compare else [args.stage]
@@ -945,7 +508,7 @@ def main(argv=None):
         t_stage = time.time()
         # The step folder with links resolved: what the report uses to tell checkpoints apart.
         ckpt = common.resolve_checkpoint(args.ckpt or common.checkpoint_dir(stage)).resolve()
-        model, tokenizer, meta = common.load_model(ckpt, device)
+        model, tokenizer, meta = load_model(ckpt, device)
         engine = Engine(model, tokenizer)
         task_names = [name.strip() for name in (args.tasks or preset["base_tasks" if stage == "base" else "chat_tasks"])
                       .split(",") if name.strip()]
@@ -959,7 +522,7 @@ def main(argv=None):
                 metrics["bpb"] = evaluate_bpb(model, batches, token_bytes, device)
                 shown = f"bpb {metrics['bpb']:.4f}"
             elif name in MC_TASKS:
-                task = load_task(name, args.data_dir, max_problems)
+                task = load_task(name, max_problems)
                 items = [task[i] for i in range(len(task))]
                 if stage == "base":
                     shots = MC_SHOTS[name] if args.few_shot is None else args.few_shot
@@ -973,14 +536,14 @@ def main(argv=None):
                     metrics[f"{name}/acc"] = result["acc"]
                     shown = f"acc {result['acc']:.4f} (letter, {result['count']} items)"
             else:
-                task = load_task(name, args.data_dir, max_problems)
+                task = load_task(name, max_problems)
                 result = evaluate_generative(engine, task, list(range(len(task))), args.num_samples, ks, max_tokens,
                                              temperature, args.top_k, batch_size=batch_size, seed=args.seed,
                                              label=label)
                 metrics.update({f"{name}/{m}@{k}": result[f"{m}@{k}"] for m in ("pass", "maj") for k in ks
                                 if f"{m}@{k}" in result})
                 metrics[f"{name}/truncated"], metrics[f"{name}/verifier_errors"] = result["truncated"], result["errors"]
-                # What a paired comparison of two stages must find equal (check_comparable), with the counts.
+                # What a paired comparison of two stages must find equal (report.check_comparable), with the counts.
                 coverage[name] = {"samples": args.num_samples, "correct": result["correct"].tolist(),
                                   "temperature": temperature, "top_k": args.top_k, "max_tokens": max_tokens,
                                   "problems": problem_set_id(task, range(len(task)))}
@@ -998,12 +561,13 @@ def main(argv=None):
     logger.log(logged, step=0)
     if get_dist_info()[1] == 0:
         if args.compare:
-            evals = merged_evals(common.read_report())
-            rows = coverage_rows({stage: evals[stage] for stage in stages})
-            print("\n".join(coverage_table(rows)) if rows else "no generative task was evaluated: nothing to compare")
+            evals = report.merged_evals(common.read_report())
+            rows = report.coverage_rows({stage: evals[stage] for stage in stages})
+            print("\n".join(report.coverage_table(rows)) if rows
+                  else "no generative task was evaluated: nothing to compare")
             if rows:
-                print("\n".join(paired_table(paired_rows(evals, stages))))
-        print(f"wrote {write_report()}")
+                print("\n".join(report.paired_table(report.paired_rows(evals, stages))))
+        print(f"wrote {report.write_report()}")
     logger.finish()
     common.compute_cleanup()
 

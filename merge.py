@@ -26,6 +26,7 @@ import torch
 
 import common
 from common import print0
+from engine import load_model
 
 SAME_BASE_MIN_COSINE = 0.5
 
@@ -109,7 +110,7 @@ def main(argv=None):
     weights = args.weights or [1.0 / len(args.ckpts)] * len(args.ckpts)
 
     paths = [common.resolve_checkpoint(path).resolve() for path in args.ckpts]
-    loaded = [common.load_model(path, "cpu") for path in paths]
+    loaded = [load_model(path, "cpu") for path in paths]
     models, tokenizers, metas = zip(*loaded)
     states = [model.state_dict() for model in models]
     check_compatible(paths, metas, tokenizers, states)

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 import tasks
-from common import (ASSUMED_MFU, HARDWARE, Logger, append_report, autocast_ctx, batch_tokens_for_device,
-                    checkpoint_dir, compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, format_eta,
-                    get_base_dir, has_checkpoint, load_checkpoint, model_size, preempted, print0, print_plan,
-                    resume_checkpoint, run_cli, save_checkpoint, stage_plan, synchronize)
+from common import (ASSUMED_MFU, FINISHED, HARDWARE, Logger, add_stage_flags, append_report, autocast_ctx,
+                    batch_tokens_for_device, checkpoint_dir, compute_cleanup, compute_init, exit_preempted,
+                    fit_batch_tokens, format_eta, get_base_dir, load_checkpoint, model_size, preempted, print0,
+                    print_plan, resume_or_finish, run_cli, save_checkpoint, stage_plan, synchronize)
 from engine import Engine
 from eval import evaluate_bpb
 from model import EMBEDDING_LR, GPT, MATRIX_LR, UNEMBEDDING_LR, GPTConfig
@@ -146,7 +146,9 @@ def plan(args, config):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Pretrain the base model (see the module docstring).")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="fills the defaults below")
+    add_stage_flags(parser, PRESETS, preset="fills the defaults below", seed="seed of the weight initialisation",
+                    out="checkpoint folder (default: $NANOPOST_HOME/checkpoints/base)",
+                    resume="continue from the latest checkpoint in --out if any")
     parser.add_argument("--depth", type=int, help="number of layers; sets width, heads, lr scale and horizon")
     parser.add_argument("--max-seq-len", type=int, help="tokens per training row (context length)")
     parser.add_argument("--device-batch-size", type=int, help="rows per forward pass on each process (default on a "
@@ -176,11 +178,6 @@ def parse_args(argv=None):
                         help="skip documents that overlap an evaluation set in use (tasks.NgramIndex: a shared 13-gram "
                              "of normalised words; each rank checks its own documents as it reads them); default on "
                              "for full, off for tiny (the synthetic corpus is built from train-split problems only)")
-    parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weight initialisation")
-    parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no logging)")
-    parser.add_argument("--out", default=None, help="checkpoint folder (default: $NANOPOST_HOME/checkpoints/base)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out if any")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, build the model and the data "
                         "pipeline, save the untrained model as a stand-in base checkpoint and stop (no training)")
     args = parser.parse_args(argv)
@@ -232,12 +229,11 @@ def main(argv=None):
     start_step, data_position, train_seconds, train_tokens = 0, (0, 0), 0.0, 0
     curve = {"step": [], "loss": []}  # training history for the report's plots
     val_curve = {"step": [], "bpb": []}
-    if args.resume and has_checkpoint(args.out):
-        model_state, meta, extra = load_checkpoint(resume_checkpoint(args.out), device=device)
-        if meta.get("finished"):
-            print0(f"pretraining already finished: {args.out} holds the final checkpoint (step {meta['step']})")
-            compute_cleanup()
-            return
+    resume = resume_or_finish(args.out, args.resume, "pretraining")
+    if resume is FINISHED:
+        return
+    if resume:
+        model_state, meta, extra = load_checkpoint(resume, device=device)
         if meta["model_config"] != asdict(config) or meta["total_batch_size"] != args.total_batch_size \
                 or meta["num_iterations"] != num_iterations or len(extra["data_positions"]) != world_size:
             raise ValueError(f"{args.out} was written by a different run (model, batch, horizon or number of "

@@ -91,12 +91,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import (HARDWARE, Logger, append_report, autocast_ctx, batch_tokens_for_device, checkpoint_dir,
-                    compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, format_eta, get_dist_info,
-                    has_checkpoint, kv_cache_bytes, load_checkpoint, load_model, model_size, preempted, print0,
-                    print_plan, resolve_checkpoint, resume_checkpoint, run_cli, save_checkpoint, stage_plan,
-                    synchronize)
-from engine import Engine, sampling_logprobs
+from common import (FINISHED, HARDWARE, Logger, add_stage_flags, append_report, autocast_ctx, batch_tokens_for_device,
+                    checkpoint_dir, compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, format_eta,
+                    get_dist_info, kv_cache_bytes, load_checkpoint, model_size, preempted, print0, print_plan,
+                    resolve_checkpoint, resume_or_finish, run_cli, save_checkpoint, stage_plan, synchronize)
+from engine import Engine, load_model, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from tasks import (GSM8K, NgramIndex, SyntheticTask, UltraFeedbackPrompts, collate, completion_reward, evaluation_texts,
@@ -934,13 +933,11 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--preset", choices=sorted(PRESETS), default="tiny", help="fills the defaults below; explicit flags win")
-    add("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
-    add("--seed", type=int, default=0, help="seeds prompt draws and sampling")
-    add("--run", default="dummy", help="wandb run name ('dummy': no wandb)")
-    add("--ckpt", default=None, help="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/dpo)")
-    add("--out", default=None, help="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)")
-    add("--resume", action="store_true", help="continue from the latest checkpoint in --out; exit if it is finished")
+    add_stage_flags(parser, PRESETS, preset="fills the defaults below; explicit flags win",
+                    seed="seeds prompt draws and sampling", run="wandb run name ('dummy': no wandb)",
+                    ckpt="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/dpo)",
+                    out="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)",
+                    resume="continue from the latest checkpoint in --out; exit if it is finished")
     # data and rollouts
     add("--task", help="training prompts and verifier: synthetic, gsm8k, ultrafeedback (prompts with no verifier, for "
                        "--reward rm), or a weighted mixture 'synthetic:1,gsm8k:1' (weights are shares of the prompts; "
@@ -1084,12 +1081,10 @@ def main(argv=None):
     out = Path(args.out) if args.out else checkpoint_dir("rl")
 
     # Model: the previous stage's checkpoint, or our own to resume from.
-    resume = args.resume and has_checkpoint(out) and resume_checkpoint(out)  # the newest whole step folder
-    model, tokenizer, meta = load_model(resume or ckpt, device)
-    if resume and meta.get("finished"):
-        print0(f"rl already finished: {out} (step {meta['step']}); nothing to do")
-        compute_cleanup()
+    resume = resume_or_finish(out, args.resume, "rl")  # the newest whole step folder, or None
+    if resume is FINISHED:
         return
+    model, tokenizer, meta = load_model(resume or ckpt, device)
     ref_model = None
     if args.kl_coef > 0:
         ref_model, _, _ = load_model(ckpt, device)

@@ -17,7 +17,7 @@ full: UltraFeedback-binarized (chosen = highest-rated answer, rejected = a lower
 the static synthetic pairs (reference answer vs. one scripted mistake) instead.
 
 Logged on held-out pairs: pair accuracy (r_w > r_l), mean margin r_w - r_l, mean score (r_w + r_l) / 2 (the centring
-term keeps it near 0). The checkpoint's meta has reward_model: true, so common.load_model rebuilds a ScalarHeadModel.
+term keeps it near 0). The checkpoint's meta has reward_model: true, so engine.load_model rebuilds a ScalarHeadModel.
 """
 
 import argparse
@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
-from engine import Engine
+from engine import Engine, load_model
 from eval import self_generated_pairs
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from tasks import GSM8K, SyntheticTask, pad_sequences, preference_mixture, prepare_rows, render_pair
@@ -124,13 +124,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Train a Bradley-Terry reward model on the SFT model's trunk.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add = parser.add_argument
-    add("--preset", choices=sorted(PRESETS), default="tiny", help="defaults for the flags below; explicit flags win")
-    add("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
-    add("--seed", type=int, default=0, help="data order and sampling seed")
-    add("--run", default="dummy", help="wandb run name ('dummy': no logging)")
-    add("--ckpt", default=None, help="SFT checkpoint whose trunk starts the reward model (default: checkpoints/sft)")
-    add("--out", default=None, help="output folder (default: $NANOPOST_HOME/checkpoints/rm)")
-    add("--resume", action="store_true", help="exit at once if --out already holds a finished reward model")
+    common.add_stage_flags(parser, PRESETS, preset="defaults for the flags below; explicit flags win",
+                           seed="data order and sampling seed",
+                           ckpt="SFT checkpoint whose trunk starts the reward model (default: checkpoints/sft)",
+                           out="output folder (default: $NANOPOST_HOME/checkpoints/rm)",
+                           resume="exit at once if --out already holds a finished reward model")
     add("--pairs", choices=["self-generated", "synthetic", "ultrafeedback"],
         help="self-generated: SFT samples labelled by --task's verifier; synthetic: reference vs. scripted mistake; "
              "ultrafeedback: UltraFeedback-binarized")
@@ -159,11 +157,10 @@ def main(argv=None):
     stage_start = time.time()
     ddp, rank, local_rank, world_size, device = compute_init(args.device, args.seed)
     out_dir = args.out or common.checkpoint_dir("rm")
-    if args.resume and common.has_checkpoint(out_dir) and common.load_checkpoint(out_dir)[1].get("finished"):
-        print0(f"rm already finished ({out_dir}); nothing to do")
-        compute_cleanup()
+    # rm.py saves only its final checkpoint: --resume exits if it is there, and trains from scratch otherwise.
+    if common.resume_or_finish(out_dir, args.resume, "rm") is common.FINISHED:
         return
-    gpt, tokenizer, sft_meta = common.load_model(args.ckpt or common.checkpoint_dir("sft"), device)
+    gpt, tokenizer, sft_meta = load_model(args.ckpt or common.checkpoint_dir("sft"), device)
     model = ScalarHeadModel(gpt).to(device)
     max_seq_len = args.max_seq_len or gpt.config.sequence_len
     pad_id = tokenizer.bos_id  # any id: padding comes after each row's last token, which causal attention never sees

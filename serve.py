@@ -39,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import common
-from engine import Engine, Sampling, assistant_content, readable_reply
+from engine import Engine, Sampling, assistant_content, load_model, readable_reply
 
 # -----------------------------------------------------------------------------
 # Requests: validation and the job the worker runs
@@ -437,7 +437,7 @@ def main():
 
     device = common.autodetect_device() if args.device is None else args.device
     try:
-        model, tokenizer, meta = common.load_model(args.ckpt, device)
+        model, tokenizer, meta = load_model(args.ckpt, device)
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
     name = Path(args.ckpt).expanduser().resolve().name

@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
-from engine import Engine
+from engine import Engine, load_model
 from eval import PRESETS as EVAL_PRESETS
 from eval import completion_text, evaluate_bpb, evaluate_generative, validation_batches
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
@@ -272,13 +272,10 @@ def add_replay(rows, stream, replay_frac):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Supervised fine-tuning of the base model on chat conversations.")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="defaults for the flags below")
-    parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
-    parser.add_argument("--seed", type=int, default=0, help="data order and sampling seed")
-    parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no logging)")
-    parser.add_argument("--ckpt", default=None, help="base checkpoint to start from (default: checkpoints/base)")
-    parser.add_argument("--out", default=None, help="where to save (default: checkpoints/sft)")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    common.add_stage_flags(parser, PRESETS, preset="defaults for the flags below", seed="data order and sampling seed",
+                           ckpt="base checkpoint to start from (default: checkpoints/base)",
+                           out="where to save (default: checkpoints/sft)",
+                           resume="continue from the latest checkpoint in --out")
     parser.add_argument("--train-rows", type=int, help="rows of the main training source (tiny: synthetic, full: "
                         "SmolTalk; default: the preset's)")
     parser.add_argument("--num-steps", type=int, default=None, help="optimizer steps (default: one pass over the data)")
@@ -315,16 +312,11 @@ def main(argv=None):
     ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
     stage_start = time.time()
     out_dir = args.out or common.checkpoint_dir("sft")
-    resume_state = None
-    if args.resume and common.has_checkpoint(out_dir):
-        state, meta, extra = common.load_checkpoint(common.resume_checkpoint(out_dir), device=device)
-        if meta.get("finished"):
-            print0(f"sft already finished ({out_dir}, step {meta['step']}); nothing to do")
-            compute_cleanup()
-            return
-        resume_state = (state, extra)
+    resume = common.resume_or_finish(out_dir, args.resume, "sft")  # the step folder to continue from, or None
+    if resume is common.FINISHED:
+        return
 
-    model, tokenizer, base_meta = common.load_model(args.ckpt or common.checkpoint_dir("base"), device)
+    model, tokenizer, base_meta = load_model(args.ckpt or common.checkpoint_dir("base"), device)
     max_seq_len = args.max_seq_len or model.config.sequence_len
     args.device_batch_tokens = common.batch_tokens_for_device("sft", None if fit_batch else args.device_batch_tokens,
                                                               device, model.config, args.device_batch_tokens,
@@ -383,8 +375,8 @@ def main(argv=None):
     before = {"val_loss": evaluate_loss(model, val_batches, device),  # the base model's
               "bpb": evaluate_bpb(model, bpb_batches, token_bytes, device)}
     start_step, replay_consumed = 0, 0
-    if resume_state is not None:
-        state, extra = resume_state
+    if resume:
+        state, _, extra = common.load_checkpoint(resume, device=device)
         model.load_state_dict(state)
         for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(optimizer_state)

@@ -120,6 +120,12 @@ if [ "${1:-}" = "--choose" ]; then  # only say what would run here
   echo "speedrun: preset $PRESET, launch: ${LAUNCH[*]}"
   exit 0
 fi
+if [ "$PRESET" = tiny ]; then
+  # One torch thread per core this process may run on (nproc: 2 on the reference machine): the tiny stages slow down
+  # badly when more threads than cores share them. An OMP_NUM_THREADS already set is kept.
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
+  echo "speedrun: OMP_NUM_THREADS=$OMP_NUM_THREADS torch threads per stage"
+fi
 echo "speedrun: writing to $NANOPOST_HOME; wandb run: $RUN"
 STAGE_FLAGS=(--preset "$PRESET" --run "$RUN" --resume)
 

@@ -13,7 +13,7 @@ import torch
 import common
 import dpo
 import tasks
-from engine import Engine
+from engine import Engine, load_model
 from eval import completion_text
 from conftest import ends_turn_sometimes, make_model, make_tokenizer
 
@@ -310,7 +310,7 @@ def test_main_tiny_improves_held_out_preferences_and_live_reference_agrees(token
     common.save_checkpoint(tmp_path / "checkpoints" / "sft", 1, make_model(tokenizer), {"stage": "sft"},
                            tokenizer=tokenizer)
     dpo.main(DPO_ARGS)
-    model, _, meta = common.load_model(tmp_path / "checkpoints" / "dpo", "cpu")
+    model, _, meta = load_model(tmp_path / "checkpoints" / "dpo", "cpu")
     assert meta["finished"] and meta["step"] == 4
     (record,) = common.read_report()
     assert record["before/rewards/accuracy"] == 0.0  # policy == reference: every margin is exactly 0

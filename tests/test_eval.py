@@ -21,8 +21,9 @@ import common
 import eval as ev
 from conftest import scripted_model
 from engine import Engine
-from eval import pass_at_k
 from model import GPT, GPTConfig
+import report
+from report import pass_at_k
 from tasks import SyntheticTask, collate, synthetic_documents
 from tokenizer import Tokenizer
 
@@ -120,37 +121,37 @@ COUNTS = [0, 1, 4, 2]
 
 
 def test_pass_at_k_curve_hand_computed():
-    assert ev.pass_at_k_curve(COUNTS, 4) == pytest.approx([0.4375, 0.5833333333, 0.6875, 0.75])
+    assert report.pass_at_k_curve(COUNTS, 4) == pytest.approx([0.4375, 0.5833333333, 0.6875, 0.75])
 
 
 def test_coverage_gain_hand_computed():
-    assert ev.coverage_gain(COUNTS, 4) == pytest.approx((7 / 16, 3 / 4, 5 / 16, 5 / 9))
+    assert report.coverage_gain(COUNTS, 4) == pytest.approx((7 / 16, 3 / 4, 5 / 16, 5 / 9))
     # Sharpening: "sft" solves every problem 1 time in 4, "rl" two problems always and two never.
     # rl doubles pass@1 (0.25 -> 0.5) but covers half the problems: A 0.75 -> 0, S 1 -> 0.
-    assert ev.coverage_gain([1, 1, 1, 1], 4) == pytest.approx((0.25, 1.0, 0.75, 1.0))
-    assert ev.coverage_gain([4, 4, 0, 0], 4) == pytest.approx((0.5, 0.5, 0.0, 0.0))
-    p1, pn, gain, normalised = ev.coverage_gain([3, 3], 3)  # everything solved: nothing left for S to measure
+    assert report.coverage_gain([1, 1, 1, 1], 4) == pytest.approx((0.25, 1.0, 0.75, 1.0))
+    assert report.coverage_gain([4, 4, 0, 0], 4) == pytest.approx((0.5, 0.5, 0.0, 0.0))
+    p1, pn, gain, normalised = report.coverage_gain([3, 3], 3)  # everything solved: nothing left for S to measure
     assert (p1, pn, gain) == (1.0, 1.0, 0.0) and math.isnan(normalised)
 
 
 def test_bootstrap_coverage_matches_resampling_by_hand():
     correct = [0, 1, 4, 2, 3, 0, 4, 1, 2, 2]
-    got = ev.bootstrap_coverage(correct, 4, num_resamples=200, confidence=0.9, seed=7)
+    got = report.bootstrap_coverage(correct, 4, num_resamples=200, confidence=0.9, seed=7)
     # The same resamples, each scored by the scalar coverage_gain.
     picks = np.random.default_rng(7).integers(0, len(correct), size=(200, len(correct)))
-    scored = [ev.coverage_gain([correct[i] for i in row], 4) for row in picks]
+    scored = [report.coverage_gain([correct[i] for i in row], 4) for row in picks]
     for name, column in (("A", 2), ("S", 3)):
         values = [s[column] for s in scored]
         assert got[name] == pytest.approx(tuple(np.quantile(values, [0.05, 0.95])))
-    _, _, gain, normalised = ev.coverage_gain(correct, 4)
+    _, _, gain, normalised = report.coverage_gain(correct, 4)
     assert got["A"][0] <= gain <= got["A"][1] and got["S"][0] <= normalised <= got["S"][1]
-    assert ev.bootstrap_coverage(correct, 4, num_resamples=200, confidence=0.9, seed=7) == got  # seeded
+    assert report.bootstrap_coverage(correct, 4, num_resamples=200, confidence=0.9, seed=7) == got  # seeded
 
 
 def test_bootstrap_coverage_degenerate_cases():
-    same = ev.bootstrap_coverage([1, 1, 1], 4, num_resamples=50)  # every resample is the data itself
+    same = report.bootstrap_coverage([1, 1, 1], 4, num_resamples=50)  # every resample is the data itself
     assert same["A"] == pytest.approx((0.75, 0.75)) and same["S"] == pytest.approx((1.0, 1.0))
-    solved = ev.bootstrap_coverage([4, 4], 4, num_resamples=50)  # S undefined on every resample
+    solved = report.bootstrap_coverage([4, 4], 4, num_resamples=50)  # S undefined on every resample
     assert solved["A"] == (0.0, 0.0) and all(math.isnan(v) for v in solved["S"])
 
 
@@ -160,32 +161,32 @@ def test_bootstrap_coverage_degenerate_cases():
 
 def test_paired_tax_bootstrap():
     # Identical stages: dA = dS = 0 on every resample, a zero-width interval.
-    same = ev.paired_coverage_delta(COUNTS, COUNTS, 4, num_resamples=200)
+    same = report.paired_coverage_delta(COUNTS, COUNTS, 4, num_resamples=200)
     assert same == {"dA": 0.0, "dS": 0.0, "dA_interval": (0.0, 0.0), "dS_interval": (0.0, 0.0)}
     # A known shift, hand-computed (see COUNTS): sft A = 5/16, S = 5/9; rl [4, 4, 0, 0]: A = 0, S = 0.
-    shift = ev.paired_coverage_delta(COUNTS, [4, 4, 0, 0], 4, num_resamples=200)
+    shift = report.paired_coverage_delta(COUNTS, [4, 4, 0, 0], 4, num_resamples=200)
     assert (shift["dA"], shift["dS"]) == pytest.approx((-5 / 16, -5 / 9))
     # Paired: every problem gains one correct sample of 4 and stays covered, so pass@1 rises by 1/4 and pass@4 stays
     # on every resample: dA = -1/4 exactly, whatever problems are drawn, and S = 1 for both (dS = 0). Separate
     # intervals of A would be wide and overlap; the paired one has no width.
     a, b = [1, 2, 3, 1, 2, 1], [2, 3, 4, 2, 3, 2]
-    paired = ev.paired_coverage_delta(a, b, 4, num_resamples=300, seed=3)
+    paired = report.paired_coverage_delta(a, b, 4, num_resamples=300, seed=3)
     assert paired["dA"] == pytest.approx(-0.25) and paired["dA_interval"] == pytest.approx((-0.25, -0.25))
     assert paired["dS"] == 0.0 and paired["dS_interval"] == pytest.approx((0.0, 0.0))
-    low_a, high_a = ev.bootstrap_coverage(a, 4, num_resamples=300, seed=3)["A"]
-    low_b, high_b = ev.bootstrap_coverage(b, 4, num_resamples=300, seed=3)["A"]
+    low_a, high_a = report.bootstrap_coverage(a, 4, num_resamples=300, seed=3)["A"]
+    low_b, high_b = report.bootstrap_coverage(b, 4, num_resamples=300, seed=3)["A"]
     assert high_a - low_a > 0.1 and high_b - low_b > 0.1 and high_b > low_a  # unpaired: no clear difference
     # The interval is the one of resampling by hand: one draw of problems, both stages scored on it.
     c, d = [0, 1, 4, 2, 3, 0, 4, 1], [1, 1, 4, 4, 0, 0, 4, 2]
-    got = ev.paired_coverage_delta(c, d, 4, num_resamples=200, confidence=0.9, seed=7)
+    got = report.paired_coverage_delta(c, d, 4, num_resamples=200, confidence=0.9, seed=7)
     picks = np.random.default_rng(7).integers(0, len(c), size=(200, len(c)))
-    deltas = [np.subtract(ev.coverage_gain([d[i] for i in row], 4), ev.coverage_gain([c[i] for i in row], 4))
+    deltas = [np.subtract(report.coverage_gain([d[i] for i in row], 4), report.coverage_gain([c[i] for i in row], 4))
               for row in picks]
     for name, column in (("dA", 2), ("dS", 3)):
         values = [delta[column] for delta in deltas if np.isfinite(delta[column])]
         assert got[f"{name}_interval"] == pytest.approx(tuple(np.quantile(values, [0.05, 0.95])))
     with pytest.raises(ValueError, match="same problems"):
-        ev.paired_coverage_delta([1, 2], [1, 2, 3], 4)
+        report.paired_coverage_delta([1, 2], [1, 2, 3], 4)
 
 
 def coverage_entry(correct, **changes):
@@ -197,22 +198,23 @@ def coverage_entry(correct, **changes):
 
 def test_compare_refuses_mismatched_evals():
     sft = coverage_entry([0, 1, 4, 2])
-    assert ev.paired_tax("synthetic", "sft", sft, "rl", coverage_entry([4, 4, 0, 0]))["dA"] == pytest.approx(-5 / 16)
+    paired = report.paired_tax("synthetic", "sft", sft, "rl", coverage_entry([4, 4, 0, 0]))
+    assert paired["dA"] == pytest.approx(-5 / 16)
     other_problems = ev.problem_set_id(SyntheticTask("test", size=5), range(1, 5))
     for changes in ({"samples": 8}, {"temperature": 0.7}, {"max_tokens": 64}, {"top_k": 20},
                     {"problems": other_problems}):
         key, value = next(iter(changes.items()))
         with pytest.raises(ValueError, match=f"differ in {key} .* vs {value!r}"):
-            ev.paired_tax("synthetic", "sft", sft, "rl", coverage_entry([4, 4, 0, 0], **changes))
+            report.paired_tax("synthetic", "sft", sft, "rl", coverage_entry([4, 4, 0, 0], **changes))
     old = {"samples": 4, "correct": [4, 4, 0, 0]}  # a record of an eval.py that stored no settings
     with pytest.raises(ValueError, match="does not record temperature"):
-        ev.paired_tax("synthetic", "sft", sft, "rl", old)
+        report.paired_tax("synthetic", "sft", sft, "rl", old)
     # The report card refuses the pair with the reason instead of printing a meaningless difference.
     evals = {"sft": {"coverage": {"synthetic": sft}},
              "rl": {"coverage": {"synthetic": coverage_entry([4, 4, 0, 0], max_tokens=64)}}}
-    (row,) = ev.paired_rows(evals)
+    (row,) = report.paired_rows(evals)
     assert isinstance(row[3], ValueError)
-    assert "- synthetic, sft -> rl: not compared." in "\n".join(ev.paired_table([row]))
+    assert "- synthetic, sft -> rl: not compared." in "\n".join(report.paired_table([row]))
     assert ev.problem_set_id(SyntheticTask("test", size=4), range(4)) == sft["problems"]
 
 
@@ -330,16 +332,16 @@ DDP_SCRIPT = """
 import json, sys
 import torch
 import common, eval as ev
-from engine import Engine
+from engine import Engine, load_model
 from tasks import SyntheticTask
 
 torch.set_num_threads(1)
 out, scripted_dir, random_dir, items_path = sys.argv[1:]
 _, rank, _, world_size, device = common.compute_init("cpu")
-model, tokenizer, _ = common.load_model(scripted_dir, device)
+model, tokenizer, _ = load_model(scripted_dir, device)
 generative = ev.evaluate_generative(Engine(model, tokenizer), SyntheticTask("test", size=40), list(range(40)),
                                     num_samples=2, ks=(1, 2), max_tokens=8, temperature=0.0, batch_size=8)
-model, tokenizer, _ = common.load_model(random_dir, device)
+model, tokenizer, _ = load_model(random_dir, device)
 items = json.load(open(items_path))
 base = ev.evaluate_multiple_choice(model, tokenizer, items, "continuation", num_shots=1, batch_size=8)
 chat = ev.evaluate_multiple_choice_chat(model, tokenizer, items, batch_size=4)
@@ -392,22 +394,22 @@ def test_cli_compare_writes_records_and_the_report(tokenizer, tmp_path, monkeypa
         assert record["coverage"]["synthetic"]["samples"] == 4 and len(correct) == NUM_PROBLEMS
         assert all(c == 0 for i, c in enumerate(correct) if i not in solvable)  # never right by accident
         for k in (1, 2, 4):
-            assert record["metrics"][f"synthetic/pass@{k}"] == pytest.approx(ev.pass_at_k_curve(correct, 4)[k - 1])
+            assert record["metrics"][f"synthetic/pass@{k}"] == pytest.approx(report.pass_at_k_curve(correct, 4)[k - 1])
     sft, rl = (r["coverage"]["synthetic"]["correct"] for r in records)
     assert sum(rl) > sum(sft)  # the sharper policy is right more often
-    report = (tmp_path / "report.md").read_text()
-    assert "## Coverage" in report
-    assert "| synthetic | sft | 4 | 40 |" in report and "| synthetic | rl | 4 | 40 |" in report
+    card = (tmp_path / "report.md").read_text()
+    assert "## Coverage" in card
+    assert "| synthetic | sft | 4 | 40 |" in card and "| synthetic | rl | 4 | 40 |" in card
     # The paired change sft -> rl, from the two records (they share n, temperature, max_tokens and problems).
-    paired = ev.paired_coverage_delta(sft, rl, 4)
+    paired = report.paired_coverage_delta(sft, rl, 4)
     assert (f"| synthetic | sft | rl | {paired['dA']:+.3f} [{paired['dA_interval'][0]:+.3f}, "
-            f"{paired['dA_interval'][1]:+.3f}] |") in report
+            f"{paired['dA_interval'][1]:+.3f}] |") in card
     # rl evaluated again with a longer max_tokens: the report refuses the pair and says why.
     ev.main(["--stage", "rl", "--tasks", "synthetic", "--num-samples", "4", "--max-problems", str(NUM_PROBLEMS),
              "--max-tokens", "7", "--device", "cpu"])
-    report = (tmp_path / "report.md").read_text()
-    assert "- synthetic, sft -> rl: not compared." in report and "max_tokens 6 vs 7" in report
-    assert "| synthetic | sft | rl |" not in report
+    card = (tmp_path / "report.md").read_text()
+    assert "- synthetic, sft -> rl: not compared." in card and "max_tokens 6 vs 7" in card
+    assert "| synthetic | sft | rl |" not in card
 
 
 def test_cli_rejects_k_above_num_samples(tmp_path, monkeypatch):
@@ -422,18 +424,20 @@ def test_cli_multiple_choice_from_local_files(trained_model, tokenizer, tmp_path
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     rows = [{"id": str(i), "question": item["question"], "answerKey": "ABCD"[item["answer"]],
              "choices": {"text": item["choices"], "label": list("ABCD")}} for i, item in enumerate(ITEMS)]
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "arc-easy.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    # The flat layout of $NANOPOST_DATA_DIR (tasks.local_files): <root>/<repo>/<config>/<split>.jsonl.
+    folder = tmp_path / "data" / "allenai/ai2_arc" / "ARC-Easy"
+    folder.mkdir(parents=True)
+    (folder / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    monkeypatch.setenv("NANOPOST_DATA_DIR", str(tmp_path / "data"))
     common.save_checkpoint(tmp_path / "ckpt", 5, trained_model, {}, tokenizer=tokenizer)
     for stage in ("base", "sft"):  # base: log-likelihood of the answer text; sft: log-prob of the letter
         ev.main(["--stage", stage, "--ckpt", str(tmp_path / "ckpt"), "--tasks", "arc-easy",
-                 "--data-dir", str(tmp_path / "data"), "--device", "cpu"])
+                 "--device", "cpu"])
     base, sft = common.read_report()
     assert base["metrics"] == {"arc-easy/acc": 1.0, "arc-easy/acc_norm": 1.0}
     assert sft["metrics"] == {"arc-easy/acc": 1.0}
     with pytest.raises(FileNotFoundError, match="mmlu"):
-        ev.main(["--stage", "base", "--ckpt", str(tmp_path / "ckpt"), "--tasks", "mmlu",
-                 "--data-dir", str(tmp_path / "data")])
+        ev.main(["--stage", "base", "--ckpt", str(tmp_path / "ckpt"), "--tasks", "mmlu"])
 
 
 def test_truncated_answer_is_not_correct_in_pass_at_k(tokenizer):

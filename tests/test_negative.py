@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common
+from engine import load_model
 import dpo
 import pretrain
 import rl
@@ -178,7 +179,7 @@ def test_incomplete_checkpoint(tokenizer, tmp_path):
         common.load_checkpoint(tmp_path)
     with pytest.raises(common.CheckpointError,
                        match=re.escape(f"no checkpoint in {tmp_path / 'empty'}: run the stage")):
-        common.load_model(tmp_path / "empty", "cpu")
+        load_model(tmp_path / "empty", "cpu")
 
 
 def test_keep_two_prunes_all_but_the_two_newest(tokenizer, tmp_path):

@@ -88,7 +88,7 @@ def test_chat_cli_prompt_prints_the_greedy_completion(tokenizer, tool_model, tmp
     engine.main()
     printed = capsys.readouterr().out
 
-    loaded, _, _ = common.load_model(tmp_path, "cpu")
+    loaded, _, _ = engine.load_model(tmp_path, "cpu")
     chat = engine.Engine(loaded, tokenizer)
     prompt = tokenizer.render_for_completion({"messages": [{"role": "user", "content": "What is 2+3?"}]})
     ((completion,),) = chat.generate([prompt], max_tokens=32, temperature=0.0)

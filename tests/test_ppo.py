@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import rl
-from common import load_model, save_checkpoint
+from common import save_checkpoint
+from engine import load_model
 from model import ScalarHeadModel
 from test_rl import LengthParity, checkpoint, model, run_rl, tokenizer  # noqa: F401 (fixtures)
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import common
+from engine import load_model
 import pretrain
 import tasks
 from model import GPT, GPTConfig
@@ -144,7 +145,7 @@ def test_tiny_run_learns_and_saves_a_loadable_checkpoint(home, capsys):
     assert "sample: 'Question: What is 17 + 25?" in output
     assert record["stage"] == "pretrain" and record["tokens"] == 20 * 128
     assert record["val_bpb"] == pytest.approx(bpb[-1], abs=1e-4)
-    model, tokenizer, meta = common.load_model(home / "base", "cpu")
+    model, tokenizer, meta = load_model(home / "base", "cpu")
     assert meta["finished"] and meta["step"] == 20 and tokenizer.vocab_size == model.config.vocab_size
     assert model.config.n_layer == 1 and model.config.n_embd == 64
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import common
+from engine import load_model
 import pretrain
 import sft
 import tasks
@@ -160,7 +161,7 @@ def test_damaged_checkpoint_is_one_line_error_and_resume_falls_back(killed_run, 
 
     # Inference never falls back silently: one line naming the problem and the newest whole checkpoint.
     with pytest.raises(common.CheckpointError) as error:
-        common.load_model(killed_run, "cpu")
+        load_model(killed_run, "cpu")
     message = str(error.value)
     assert "\n" not in message and all(word in message for word in words), message
     assert f"newest whole checkpoint is {killed_run / 'step_000002'}" in message

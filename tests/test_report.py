@@ -8,6 +8,7 @@ import torch
 
 import common
 import eval as ev
+import report
 
 RECORDS = [
     {"time": "2025-01-01 10:00:00", "stage": "tokenizer", "vocab_size": 2048, "val_bytes_per_token": 3.14159},
@@ -40,8 +41,8 @@ def home(tmp_path, monkeypatch):
 def test_report_tables(home, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     ev.main(["--report-only"])
-    report = (home / "report.md").read_text()
-    lines = report.splitlines()
+    card = (home / "report.md").read_text()
+    lines = card.splitlines()
     assert f"| torch | {torch.__version__} |" in lines
     # stages in pipeline order, the re-run base replacing the first; times from "seconds"; total 130 + 60 s
     stages = lines[lines.index("| stage | finished | time |") + 2:][:4]
@@ -59,37 +60,37 @@ def test_report_tables(home, monkeypatch):
                      "| synthetic/pass@1 |  | 0.4375 | 0.5 |",
                      "| synthetic/pass@4 |  | 0.75 | 0.5 |",
                      "| gsm8k/pass@1 |  | 0.125 |  |"]
-    assert "arc-easy" not in report
+    assert "arc-easy" not in card
     # coverage, hand-computed: sft pass@1 7/16, pass@4 3/4, A = 5/16, S = 5/9. rl solves two problems always and
     # two never: A = 0 on every resample, so its interval is [0, 0] (S as well; resamples with pass@1 = 1 are left out).
     sft_row = next(line for line in lines if line.startswith("| synthetic | sft |"))
     assert sft_row.startswith("| synthetic | sft | 4 | 4 | 0.438 | 0.750 | 0.312 [") and "| 0.556 [" in sft_row
     assert "| synthetic | rl | 4 | 4 | 0.500 | 0.500 | 0.000 [0.000, 0.000] | 0.000 [0.000, 0.000] |" in lines
-    assert "Plots skipped: matplotlib is not installed" in report and "![" not in report
+    assert "Plots skipped: matplotlib is not installed" in card and "![" not in card
 
 
 def test_report_plots(home):
     pytest.importorskip("matplotlib")
-    ev.write_report()
-    report = (home / "report.md").read_text()
+    report.main([])  # python report.py
+    card = (home / "report.md").read_text()
     for name in ("base", "sft", "coverage-synthetic"):
         assert (home / "report_plots" / f"{name}.png").read_bytes().startswith(b"\x89PNG")
-    assert "![base training curves](report_plots/base.png)" in report
-    assert "![synthetic pass@k curves](report_plots/coverage-synthetic.png)" in report
-    assert "Plots skipped" not in report
+    assert "![base training curves](report_plots/base.png)" in card
+    assert "![synthetic pass@k curves](report_plots/coverage-synthetic.png)" in card
+    assert "Plots skipped" not in card
 
 
 def test_curves_and_scalars_of_a_record():
     record = RECORDS[3]
-    assert ev.curves_of(record) == {"curve": {"loss": ([0, 100, 200], [7.5, 2.9, 2.0])},
-                                    "val": {"bpb": ([0, 200], [3.0, 1.2])}}
-    assert ev.curves_of(RECORDS[2]) == {"curve": {"loss": ([1, 2, 3], [1.5, 1.0, 0.75])}}
-    assert ev.scalars_of(RECORDS[2]) == {"time": "2025-01-01 10:06:00", "stage": "sft", "seconds": 60.0,
-                                         "metrics/val_loss": 0.8}
+    assert report.curves_of(record) == {"curve": {"loss": ([0, 100, 200], [7.5, 2.9, 2.0])},
+                                        "val": {"bpb": ([0, 200], [3.0, 1.2])}}
+    assert report.curves_of(RECORDS[2]) == {"curve": {"loss": ([1, 2, 3], [1.5, 1.0, 0.75])}}
+    assert report.scalars_of(RECORDS[2]) == {"time": "2025-01-01 10:06:00", "stage": "sft", "seconds": 60.0,
+                                             "metrics/val_loss": 0.8}
 
 
 def test_report_of_an_empty_run(home):
     (home / "report.jsonl").unlink()
     assert common.read_report() == []
-    text = ev.render_report([], {"git commit": "abc"}, plots=None)
+    text = report.render_report([], {"git commit": "abc"}, plots=None)
     assert text == "# nanopost report card\n\n## Environment\n\n| | |\n|---|---|\n| git commit | abc |\n"

@@ -1,7 +1,7 @@
 """
 The report card from real records: one $NANOPOST_HOME through tiny runs of pretrain -> sft -> dpo -> rl (-> a
 greedy-only eval), each stage writing the record it really writes (stage "pretrain", nested "skipped" and
-"pairs_*" counts, curves), then eval.write_report. test_report.py covers the rendering on hand-written records.
+"pairs_*" counts, curves), then report.write_report. test_report.py covers the rendering on hand-written records.
 """
 
 import importlib.util
@@ -10,6 +10,7 @@ import common
 import dpo
 import eval as ev
 import pretrain
+import report
 import rl
 import sft
 import tasks
@@ -40,25 +41,25 @@ def test_report_from_the_records_the_tiny_stages_write(tmp_path, monkeypatch):
     assert [r["stage"] for r in records] == ["pretrain", "sft", "dpo", "rl", "eval"]
     assert records[1]["skipped"] and all("/" in key for key in records[1]["skipped"])  # {"synthetic/too long": n}
     assert records[2]["pairs_train"] == {"paired": 8}
-    report = (tmp_path / "report.md").read_text()
-    lines = report.splitlines()
+    card = (tmp_path / "report.md").read_text()
+    lines = card.splitlines()
 
     stage_rows = [line.split(" | ")[0][2:] for line in lines[lines.index("## Stages") + 4:] if line.startswith("| ")]
     assert stage_rows[:5] == ["pretrain", "sft", "dpo", "rl", "total"]  # pipeline order, pretrain.py's stage name
     for stage in ("pretrain", "sft", "dpo", "rl"):
         assert f"### {stage}" in lines
-    assert f"| val_bpb | {ev.format_value(records[0]['val_bpb'])} |" in lines
+    assert f"| val_bpb | {report.format_value(records[0]['val_bpb'])} |" in lines
     skipped_key, skipped_count = next(iter(records[1]["skipped"].items()))
     assert f"| skipped/{skipped_key} | {skipped_count} |" in lines  # nested counts flattened, not dropped
     assert "| pairs_train/paired | 8 |" in lines and "| pairs_held_out/paired | 4 |" in lines
-    assert "| curve | " not in report  # curves are plots, not table cells
+    assert "| curve | " not in card  # curves are plots, not table cells
     assert "## Task metrics" in lines and any(line.startswith("| synthetic/pass@1 | ") for line in lines)
     assert "## Coverage" not in lines  # one greedy sample per problem: nothing to compare
 
     plots = sorted(p.name for p in (tmp_path / "report_plots").glob("*.png")) \
         if (tmp_path / "report_plots").exists() else []
     if importlib.util.find_spec("matplotlib"):
-        assert "pretrain.png" in plots and "![pretrain training curves](report_plots/pretrain.png)" in report
+        assert "pretrain.png" in plots and "![pretrain training curves](report_plots/pretrain.png)" in card
         assert not any(name.startswith("coverage-") for name in plots)
     else:
-        assert "Plots skipped" in report
+        assert "Plots skipped" in card

@@ -15,9 +15,9 @@ import torch
 
 import model as model_module
 import rl
-from common import load_model, save_checkpoint
+from common import save_checkpoint
 from conftest import ends_turn_sometimes, scripted_model
-from engine import Engine, sampling_logprobs
+from engine import Engine, load_model, sampling_logprobs
 from eval import completion_text
 from model import GPT, GPTConfig
 from tasks import SyntheticTask, synthetic_documents

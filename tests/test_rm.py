@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import rm
-from common import load_model, save_checkpoint
+from common import save_checkpoint
+from engine import load_model
 from conftest import make_model, make_tokenizer
 from model import ScalarHeadModel
 from tasks import SyntheticTask, pad_sequences

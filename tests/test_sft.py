@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import common
+from engine import load_model
 import sft
 import tasks
 from conftest import free_port, make_model, make_tokenizer, scripted_model
@@ -167,7 +168,7 @@ def test_main_tiny_trains_saves_reports_and_resumes(tokenizer, tmp_path, monkeyp
     assert "synthetic" in out and "3 steps" in out
     assert "micro-batches of <= 1,024 padded tokens" in out and "% padding" in out
 
-    model, loaded_tokenizer, meta = common.load_model(tmp_path / "checkpoints" / "sft", "cpu")
+    model, loaded_tokenizer, meta = load_model(tmp_path / "checkpoints" / "sft", "cpu")
     assert meta["finished"] and meta["stage"] == "sft" and meta["step"] == 3
     assert loaded_tokenizer.vocab_size == tokenizer.vocab_size
     (record,) = common.read_report()
