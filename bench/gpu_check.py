@@ -42,7 +42,7 @@ import pretrain  # noqa: E402
 import rl  # noqa: E402
 import sft  # noqa: E402
 import tasks  # noqa: E402
-from engine import Engine, KVCache  # noqa: E402
+from engine import Engine, KVCache, load_model  # noqa: E402
 from model import LOGITS_CHUNK_TOKENS, GPTConfig  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
@@ -258,7 +258,7 @@ def main(argv=None):
         data_files = [f for f in data_files if "fineweb" in str(f)]
         result = run("pretrain", check_pretrain, args, device, gpu_bytes, data_files)
         if result is not None:
-            model, tokenizer, _ = common.load_model(home / "checkpoints" / "base", device)
+            model, tokenizer, _ = load_model(home / "checkpoints" / "base", device)
             model.train()
             run("sft", check_sft, args, device, model, tokenizer)
             run("dpo", check_dpo, args, device, model, tokenizer)

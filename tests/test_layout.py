@@ -6,8 +6,10 @@ The layering of the modules, from their imports (parsed with ast, imports inside
     eval             eval.py                                    imports shared modules and report
                                                                 (its CLI re-renders the card)
     stage scripts    pretrain, sft, dpo, rl, rm, merge, serve   import shared modules and eval
+    driver           plan.py (speedrun's budget and preset)     imports shared modules, eval and the stages whose
+                                                                plan() it adds up; nothing imports it
 
-Nothing imports a stage script, and there is no import circle anywhere (a module that imports itself through
+Nothing but the driver imports a stage script, and there is no import circle anywhere (a module that imports itself through
 others, even from inside a function). A new top-level module must be given its layer here.
 """
 
@@ -24,6 +26,7 @@ ALLOWED = {  # layer -> the project modules a module of that layer may import
     "report": SHARED,
     "eval": SHARED | {"report"},
     **{name: SHARED | {"eval"} for name in STAGES},
+    "plan": SHARED | {"eval"} | STAGES,
 }
 
 
