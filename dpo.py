@@ -20,7 +20,6 @@ import copy
 import time
 from collections import Counter
 from contextlib import nullcontext
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -30,10 +29,9 @@ from torch.nn.parallel import DistributedDataParallel
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine, load_model
-from eval import evaluate_generative, self_generated_pairs
+from eval import evaluate_generative, preference_pairs
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
-from tasks import (GSM8K, NgramIndex, SyntheticTask, collate, evaluation_texts, preference_mixture, prepare_rows,
-                   render_pair, token_budget_batches)
+from tasks import GSM8K, NgramIndex, SyntheticTask, collate, evaluation_texts, token_budget_batches
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo")
 # What a DPO step logs (means over the step's pairs), TRL's names.
@@ -278,41 +276,17 @@ def task_accuracy(model, tokenizer, args, device):
 
 def build_pairs(args, model, tokenizer, split, max_seq_len):
     """
-    This rank's share of the --pairs preference pairs of `split`, as ((ids, mask), (ids, mask)); counts of what
-    happened to the rows of all ranks (pairs kept, rows skipped as malformed or too long, prompts without a pair);
-    and (pairs, tokens of both sides) held by each rank.
+    This rank's share of the --pairs preference pairs of `split` (eval.preference_pairs; decontaminated with
+    --decontaminate), counts of what happened to the rows of all ranks, and (pairs, tokens) held by each rank.
     """
-    _, rank, _, world_size = common.get_dist_info()
     size = args.train_pairs if split == "train" else args.eval_pairs
     index = NgramIndex(evaluation_texts(args.preset)) if args.decontaminate and split == "train" else None
-    if args.pairs == "self-generated":
-        task = eval_task(args.task, split, size, args.seed)
-        indices = list(range(rank, len(task), world_size))
-        clean = [i for i in indices if index is None or not index.contaminated(task[i])]
-        contaminated, indices = len(indices) - len(clean), clean
-        with autocast_ctx(model.lm_head.weight.device):
-            pairs, counts = self_generated_pairs(Engine(model, tokenizer), task, indices,
-                                                 args.samples, args.max_new_tokens, args.temperature,
-                                                 seed=args.seed + 1_000_003 * rank)
-        fits = [max(len(chosen[0]), len(rejected[0])) <= max_seq_len for chosen, rejected in pairs]
-        counts["too long"] = fits.count(False)
-        counts["paired"] -= counts["too long"]
-        if index is not None:
-            counts["contaminated"] = contaminated
-        pairs = [pair for pair, fit in zip(pairs, fits) if fit]
-    else:
-        mixture = preference_mixture(args.pairs, split, size, args.seed)
-        print0(f"{split} mixture:\n{mixture.summary()}")
-        pairs, skipped = prepare_rows(mixture, partial(render_pair, tokenizer, max_seq_len=max_seq_len),
-                                      range(rank, len(mixture), world_size), index=index)
-        counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
-        counts["paired"] = len(pairs)
-    share = (counts, len(pairs), sum(len(chosen[0]) + len(rejected[0]) for chosen, rejected in pairs))
-    shares = [share]
-    if dist.is_initialized():
-        shares = [None] * world_size
-        dist.all_gather_object(shares, share)
-    return pairs, sum((s[0] for s in shares), Counter()), [s[1:] for s in shares]
+    self_generated = args.pairs == "self-generated"
+    return preference_pairs(args.pairs, split, size, tokenizer, max_seq_len,
+                            engine=Engine(model, tokenizer) if self_generated else None,
+                            task=eval_task(args.task, split, size, args.seed) if self_generated else None,
+                            samples=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            seed=args.seed, index=index)
 
 
 def main(argv=None):

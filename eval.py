@@ -47,6 +47,7 @@ import math
 import random
 import time
 from collections import Counter
+from functools import partial
 from itertools import islice
 
 import torch
@@ -57,7 +58,8 @@ import report
 from common import autocast_ctx, format_eta, get_dist_info, print0
 from engine import Engine, load_model
 from tasks import (GSM8K, LETTERS, MultipleChoice, SyntheticTask, canonical_number, collate, completion_reward,
-                   extract_final_answer, pretraining_batches, pretraining_texts, token_budget_batches)
+                   extract_final_answer, preference_mixture, prepare_rows, pretraining_batches, pretraining_texts,
+                   render_pair, token_budget_batches)
 
 STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "merge")  # the checkpoints eval.py evaluates
 GENERATIVE_TASKS = ("synthetic", "gsm8k")
@@ -419,6 +421,47 @@ def self_generated_pairs(engine, task, indices, num_samples, max_tokens, tempera
             pairs.append(tuple((prompt + c.tokens, [0] * len(prompt) + c.mask) for c in (chosen, rejected)))
             stats["paired"] += 1
     return pairs, stats
+
+
+def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, task=None, samples=8, max_new_tokens=64,
+                     temperature=1.0, seed=0, index=None):
+    """
+    This rank's share of the preference pairs of `split` (DPO's and the reward model's data), as
+    ((ids, mask), (ids, mask)):
+        source "self-generated": `engine` samples `samples` answers to each of this rank's problems of `task`
+            (seed + 1_000_003 * rank) and self_generated_pairs pairs a right one with a wrong one; pairs with a side
+            longer than max_seq_len are dropped ("too long");
+        else the static preference_mixture(source, ...) ("synthetic" or "ultrafeedback"), rendered by render_pair.
+    index (tasks.NgramIndex, optional): problems and rows that overlap an evaluation set are skipped ("contaminated").
+    Returns (pairs, counts of what happened to the rows of all ranks, [(pairs, tokens of both sides)] per rank).
+    """
+    _, rank, _, world_size = common.get_dist_info()
+    if source == "self-generated":
+        indices = list(range(rank, len(task), world_size))
+        clean = [i for i in indices if index is None or not index.contaminated(task[i])]
+        contaminated, indices = len(indices) - len(clean), clean
+        with autocast_ctx(next(engine.model.parameters()).device):
+            pairs, counts = self_generated_pairs(engine, task, indices, samples, max_new_tokens, temperature,
+                                                 seed=seed + 1_000_003 * rank)
+        fits = [max(len(chosen[0]), len(rejected[0])) <= max_seq_len for chosen, rejected in pairs]
+        counts["too long"] = fits.count(False)
+        counts["paired"] -= counts["too long"]
+        if index is not None:
+            counts["contaminated"] = contaminated
+        pairs = [pair for pair, fit in zip(pairs, fits) if fit]
+    else:
+        mixture = preference_mixture(source, split, size, seed)
+        print0(f"{split} mixture:\n{mixture.summary()}")
+        pairs, skipped = prepare_rows(mixture, partial(render_pair, tokenizer, max_seq_len=max_seq_len),
+                                      range(rank, len(mixture), world_size), index=index)
+        counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
+        counts["paired"] = len(pairs)
+    share = (counts, len(pairs), sum(len(chosen[0]) + len(rejected[0]) for chosen, rejected in pairs))
+    shares = [share]
+    if dist.is_initialized():
+        shares = [None] * world_size
+        dist.all_gather_object(shares, share)
+    return pairs, sum((s[0] for s in shares), Counter()), [s[1:] for s in shares]
 
 
 # -----------------------------------------------------------------------------

@@ -22,7 +22,6 @@ term keeps it near 0). The checkpoint's meta has reward_model: true, so engine.l
 
 import argparse
 import time
-from collections import Counter
 from functools import partial
 
 import torch
@@ -33,9 +32,9 @@ from torch.nn.parallel import DistributedDataParallel
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine, load_model
-from eval import self_generated_pairs
+from eval import preference_pairs
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
-from tasks import GSM8K, SyntheticTask, pad_sequences, preference_mixture, prepare_rows, render_pair
+from tasks import GSM8K, SyntheticTask, pad_sequences
 
 PRESETS = {
     # tiny: 512 synthetic problems x 4 SFT samples -> a few hundred verifier-labelled pairs; 3 epochs of 32-pair steps.
@@ -93,31 +92,20 @@ def evaluate_pairs(model, pairs, batch_size, center_coef, pad_id, device):
 
 
 def build_pairs(args, model, tokenizer, split, max_seq_len):
-    """This rank's pairs of `split` as ((ids, mask), (ids, mask)), and counts of what happened to the rows of all ranks."""
-    _, rank, _, world_size = common.get_dist_info()
+    """
+    This rank's pairs of `split` (eval.preference_pairs), counts over all ranks, and the fewest pairs of a rank.
+    Self-generated held-out pairs are sampled with seed + 1, so they are not the training pairs' samples.
+    """
     size = args.train_pairs if split == "train" else args.eval_pairs
+    task = engine = None
     if args.pairs == "self-generated":
         task = SyntheticTask(split, size=size or 1000, seed=args.seed) if args.task == "synthetic" \
             else GSM8K(split, size=size)
         engine = Engine(model.gpt, tokenizer)
-        with autocast_ctx(model.head.weight.device):
-            pairs, counts = self_generated_pairs(engine, task, list(range(rank, len(task), world_size)), args.samples,
-                                                 args.max_new_tokens, temperature=1.0,
-                                                 seed=args.seed + 1_000_003 * rank + (split == "test"))
-        kept = [pair for pair in pairs if max(len(pair[0][0]), len(pair[1][0])) <= max_seq_len]
-        counts["too long"], counts["paired"] = len(pairs) - len(kept), len(kept)
-        pairs = kept
-    else:
-        mixture = preference_mixture(args.pairs, split, size, args.seed)
-        pairs, skipped = prepare_rows(mixture, partial(render_pair, tokenizer, max_seq_len=max_seq_len),
-                                      range(rank, len(mixture), world_size))
-        counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
-        counts["paired"] = len(pairs)
-    shares = [(counts, len(pairs))]
-    if dist.is_initialized():
-        shares = [None] * world_size
-        dist.all_gather_object(shares, (counts, len(pairs)))
-    return pairs, sum((c for c, _ in shares), Counter()), min(n for _, n in shares)
+    pairs, counts, shares = preference_pairs(args.pairs, split, size, tokenizer, max_seq_len, engine=engine, task=task,
+                                             samples=args.samples, max_new_tokens=args.max_new_tokens,
+                                             temperature=1.0, seed=args.seed + (task is not None and split == "test"))
+    return pairs, counts, min(n for n, _ in shares)
 
 
 def main(argv=None):

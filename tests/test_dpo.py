@@ -12,6 +12,7 @@ import torch
 
 import common
 import dpo
+import eval
 import tasks
 from engine import Engine, load_model
 from eval import completion_text
@@ -125,7 +126,7 @@ def multi_turn_pair():
 
 def test_render_pair_scores_the_final_answer_only(tokenizer):
     pair = multi_turn_pair()
-    (chosen_ids, chosen_mask), (rejected_ids, rejected_mask) = dpo.render_pair(tokenizer, pair, 128)
+    (chosen_ids, chosen_mask), (rejected_ids, rejected_mask) = tasks.render_pair(tokenizer, pair, 128)
     prompt = tokenizer.render_for_completion(pair["chosen"])
     assert chosen_ids[:len(prompt)] == rejected_ids[:len(prompt)] == prompt
     full_ids, full_mask = tokenizer.render_conversation(pair["chosen"])
@@ -138,14 +139,14 @@ def test_render_pair_scores_the_final_answer_only(tokenizer):
     other = tasks.preference_pair(pair["chosen"]["messages"], pair["rejected"]["messages"])
     other["rejected"]["messages"][1] = {"role": "user", "content": "What is 2 + 4?"}
     with pytest.raises(ValueError, match="different prompts"):
-        dpo.render_pair(tokenizer, other, 128)
+        tasks.render_pair(tokenizer, other, 128)
     with pytest.raises(tasks.RowTooLong):
-        dpo.render_pair(tokenizer, pair, len(prompt) + 3)
+        tasks.render_pair(tokenizer, pair, len(prompt) + 3)
 
 
 def test_sequence_logps_sum_the_answer_tokens_only(tokenizer):
     model = make_model(tokenizer)
-    (chosen, _), = [dpo.render_pair(tokenizer, multi_turn_pair(), 128)]
+    (chosen, _), = [tasks.render_pair(tokenizer, multi_turn_pair(), 128)]
     ids, mask = chosen
     logps, lengths = dpo.sequence_logps(model, *tasks.collate([chosen], tokenizer.bos_id))
     with torch.no_grad():
@@ -158,7 +159,7 @@ def test_sequence_logps_sum_the_answer_tokens_only(tokenizer):
 def test_precomputed_reference_equals_live(tokenizer):
     model = make_model(tokenizer)
     preferences = tasks.SyntheticPreferences("train", size=7)
-    pairs = [dpo.render_pair(tokenizer, preferences[i], 128) for i in range(len(preferences))]
+    pairs = [tasks.render_pair(tokenizer, preferences[i], 128) for i in range(len(preferences))]
     assert len(dpo.pair_micro_batches(pairs, 256)[0]) > 1  # several micro-batches, in length order, not pair order
     precomputed = dpo.reference_logps(model, pairs, 256, tokenizer.bos_id, "cpu")  # (7, 2)
     with torch.no_grad():
@@ -177,7 +178,7 @@ def step_args(**overrides):
 def test_a_dpo_step_increases_the_margin(tokenizer, loss_type, sft_weight):
     model = make_model(tokenizer)
     preferences = tasks.SyntheticPreferences("train", size=4)
-    pairs = [dpo.render_pair(tokenizer, preferences[i], 128) for i in range(4)]
+    pairs = [tasks.render_pair(tokenizer, preferences[i], 128) for i in range(4)]
     ref = dpo.reference_logps(model, pairs, 1024, tokenizer.bos_id, "cpu")
     args = step_args(loss_type=loss_type, sft_weight=sft_weight)
 
@@ -221,7 +222,7 @@ def test_self_generated_pairs_are_engine_tokens_one_correct_one_incorrect(tokeni
     engine = Engine(model, tokenizer)
     task = ParityTask(12)
     indices = list(range(len(task)))
-    pairs, stats = dpo.self_generated_pairs(engine, task, indices, num_samples=4, max_tokens=6, temperature=1.0,
+    pairs, stats = eval.self_generated_pairs(engine, task, indices, num_samples=4, max_tokens=6, temperature=1.0,
                                             seed=5, prompts_per_batch=5)
     assert stats["paired"] == len(pairs) >= 4
     assert stats["paired"] + stats["all correct"] + stats["all incorrect"] == len(task)
@@ -250,7 +251,7 @@ def test_self_generated_pairs_count_a_crashing_verifier_and_pair_nothing(tokeniz
             raise RuntimeError("verifier bug")
 
     engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
-    pairs, stats = dpo.self_generated_pairs(engine, Crashing(3), [0, 1, 2], num_samples=4, max_tokens=4,
+    pairs, stats = eval.self_generated_pairs(engine, Crashing(3), [0, 1, 2], num_samples=4, max_tokens=4,
                                             temperature=1.0, seed=0)
     # answers that stop crash the verifier (left out), answers that do not stop are incorrect: no correct answer
     assert pairs == [] and stats["all incorrect"] + stats["unscored"] == 3
@@ -272,7 +273,7 @@ def test_malformed_preference_rows_are_skipped_and_counted(tokenizer, tmp_path):
     path = tmp_path / "prefs.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     mixture = tasks.TaskMixture([("ultrafeedback", tasks.UltraFeedback(local=path), None)])
-    pairs, skipped = tasks.prepare_rows(mixture, lambda pair: dpo.render_pair(tokenizer, pair, 64), range(len(mixture)))
+    pairs, skipped = tasks.prepare_rows(mixture, lambda pair: tasks.render_pair(tokenizer, pair, 64), range(len(mixture)))
     assert len(pairs) == 1
     assert skipped == {("ultrafeedback", "malformed"): 4, ("ultrafeedback", "too long"): 1}
 
@@ -359,7 +360,7 @@ def test_truncated_answer_is_never_chosen(tokenizer):
 
     engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
     end = tokenizer.token_id("<|assistant_end|>")
-    pairs, stats = dpo.self_generated_pairs(engine, AcceptsAnything(8), list(range(8)), num_samples=4, max_tokens=6,
+    pairs, stats = eval.self_generated_pairs(engine, AcceptsAnything(8), list(range(8)), num_samples=4, max_tokens=6,
                                             temperature=1.0, seed=0)
     # every text is "right": an answer is correct exactly when it stopped, so each pair teaches to stop
     assert pairs and stats["truncated"] > 0
@@ -376,7 +377,7 @@ def test_verifier_error_dropped_from_pairs(tokenizer):
 
     engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
     task = ErrorsOnOddLengths(16)
-    pairs, stats = dpo.self_generated_pairs(engine, task, list(range(16)), num_samples=6, max_tokens=6,
+    pairs, stats = eval.self_generated_pairs(engine, task, list(range(16)), num_samples=6, max_tokens=6,
                                             temperature=1.0, seed=0)
     assert pairs and stats["verifier errors"] > 0
     end = tokenizer.token_id("<|assistant_end|>")

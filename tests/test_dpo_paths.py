@@ -12,6 +12,7 @@ import torch
 
 import common
 import dpo
+import eval
 import tasks
 from conftest import ends_turn_sometimes, make_model, make_tokenizer
 
@@ -36,7 +37,7 @@ def by_hand_logp(model, ids, mask):
 def test_rpo_term_matches_hand_computed_value_and_sign(tokenizer):
     model = make_model(tokenizer)
     preferences = tasks.SyntheticPreferences("train", size=3)
-    pairs = [dpo.render_pair(tokenizer, preferences[i], 128) for i in range(3)]
+    pairs = [tasks.render_pair(tokenizer, preferences[i], 128) for i in range(3)]
     # A reference that is not the policy, so the DPO term is not log 2 everywhere.
     ref = torch.tensor([[-60.0, -70.0], [-95.0, -80.0], [-75.0, -75.0]])
     beta, alpha = 0.05, 0.7
@@ -113,7 +114,7 @@ def test_tiny_preset_default_path_self_generated_pairs_through_main(tokenizer, t
     assert sum(record["pairs_held_out"].get(k, 0) for k in ("paired", "too long", "all correct", "all incorrect")) == 16
 
     # Cross-check the counts against self_generated_pairs itself: same engine, same seed, same prompts.
-    pairs, stats = dpo.self_generated_pairs(dpo.Engine(model.eval(), tokenizer), task, list(range(48)), 4, 10, 1.0,
+    pairs, stats = eval.self_generated_pairs(dpo.Engine(model.eval(), tokenizer), task, list(range(48)), 4, 10, 1.0,
                                             seed=0)
     too_long = sum(max(len(c[0]), len(r[0])) > max_seq_len for c, r in pairs)
     assert (counts["paired"], counts["too long"]) == (stats["paired"] - too_long, too_long)
