@@ -826,10 +826,6 @@ def prepare_rows(mixture, render, positions, index=None):
     return rendered, skipped
 
 
-# -----------------------------------------------------------------------------
-# Packing pretraining text into (B, T) rows
-
-
 def render_pair(tokenizer, pair, max_seq_len):
     """
     A {"chosen", "rejected"} pair of conversations as ((chosen_ids, chosen_mask), (rejected_ids, rejected_mask)).
@@ -855,6 +851,10 @@ def preference_mixture(source, split, size, seed):
         return TaskMixture([("ultrafeedback", UltraFeedback("train_prefs" if split == "train" else "test_prefs",
                                                             size=size), None)], seed=seed)
     return TaskMixture([("synthetic", SyntheticPreferences(split, size or 1000, seed), None)], seed=seed)
+
+
+# -----------------------------------------------------------------------------
+# Packing pretraining text into (B, T) rows
 
 
 def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_size=1, start=(0, 0), encode_batch=256,
