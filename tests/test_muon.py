@@ -109,6 +109,7 @@ TWO_RANKS_DRIVER = """
 import os, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
 import torch, torch.distributed as dist
+from common import compute_cleanup
 from model import Muon
 from test_muon import mixed_shape_params, muon_steps
 torch.set_num_threads(1)
@@ -116,7 +117,7 @@ dist.init_process_group("gloo")
 params = mixed_shape_params()
 torch.save(muon_steps(params, [Muon(params, lr=0.05, weight_decay=0.1)]),
            os.path.join({out!r}, "rank" + os.environ["RANK"] + ".pt"))
-dist.destroy_process_group()
+compute_cleanup()  # a barrier first: a rank that leaves gloo while the other still talks to it aborts both
 """
 
 
