@@ -13,6 +13,7 @@ Run directory ($NANOPOST_HOME, default ~/.cache/nanopost):
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -326,6 +327,30 @@ def save_checkpoint(ckpt_dir, step, model, meta, tokenizer=None, extra=None, kee
     return final
 
 
+def check_ranks_agree(model, what):
+    """
+    Call on every rank at the end of a stage, before rank 0 saves: FloatingPointError when a weight is NaN or inf,
+    RuntimeError naming the first tensor that differs when the ranks' weights are not bit-identical (DDP keeps them
+    so; a gradient some rank did not average, or a rank-dependent update, makes them drift and rank 0 would save one
+    rank's model as everyone's). Hashes each tensor's bytes on the host: a few seconds for a 561M model.
+    """
+    state = _unwrap(model).state_dict()
+    bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise FloatingPointError(f"{what}: non-finite weights in {', '.join(bad[:3])}: training diverged; not saving")
+    if not dist.is_initialized():
+        return
+    digests = [hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()[:16]
+               for t in state.values()]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, digests)
+    for rank, theirs in enumerate(gathered):
+        differ = [name for name, a, b in zip(state, gathered[0], theirs) if a != b]
+        if differ:
+            raise RuntimeError(f"{what}: rank {rank}'s weights differ from rank 0's ({len(differ)} tensors, first "
+                               f"{differ[0]}): the ranks drifted apart, a distributed-training bug")
+
+
 def _step_folders(ckpt_dir):
     """The step_* folders of ckpt_dir, newest (highest step) first."""
     folders = [p for p in Path(ckpt_dir).glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
@@ -454,20 +479,77 @@ def resume_checkpoint(ckpt_dir):
 # What every training stage (pretrain, sft, dpo, rl, rm) shares: the common flags, and the start of a --resume.
 
 
+# A rehearsal (NANOPOST_REHEARSAL=1, what `bash speedrun.sh --rehearse` sets) runs a GPU preset's exact path on CPU
+# in minutes: every stage, launched as speedrun.sh launches it, with only these sizes of its preset replaced. The
+# keys are preset keys; each script's presets take those they have. Nothing else changes: same data pipelines,
+# same code, same flags. A stage's size flags still win over the preset, rehearsal or not.
+REHEARSAL = dict(
+    vocab_size=1024, max_chars=2_000_000,  # tokenizer
+    depth=2, max_seq_len=128, device_batch_size=2, total_batch_size=512, num_iterations=4, eval_tokens=512,
+    sample_every=4, log_every=1,  # pretraining: 2 rows x 128 tokens x 2 ranks = one micro-batch a step
+    train_rows=32, eval_rows=16, train_pairs=32, eval_pairs=16, samples=2, train_size=64, batch_size=8,
+    device_batch_tokens=1024, check_problems=8, check_samples=2, max_new_tokens=16, eval_every=2, save_every=2,
+    num_steps=2, prompts_per_step=4, group_size=4, max_tokens=16, warmup_steps=1, eval_problems=8, eval_samples=2,
+    max_problems=8, bpb_tokens=512,  # RL and evaluation
+)
+
+
+def rehearsal():
+    """Whether this process is part of a rehearsal (NANOPOST_REHEARSAL=1)."""
+    value = os.environ.get("NANOPOST_REHEARSAL", "0")
+    if value not in ("0", "1"):
+        raise UserError(f"NANOPOST_REHEARSAL must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def rehearse(presets, script):
+    """
+    In a rehearsal, replace the REHEARSAL sizes in every preset of `presets` (a script's PRESETS, changed in place,
+    before its flags fill in from it) and print which; otherwise do nothing. Every script that reads a preset calls
+    it once, at start (add_stage_flags does for the training stages).
+    """
+    if not rehearsal():
+        return
+    changed = {}
+    for values in presets.values():
+        for key in values.keys() & REHEARSAL.keys():
+            values[key] = changed[key] = REHEARSAL[key]
+    print0(f"{script}: REHEARSAL (NANOPOST_REHEARSAL=1): preset sizes replaced: "
+           + ", ".join(f"{key} {value}" for key, value in sorted(changed.items())))
+
+
 def add_stage_flags(parser, presets, preset, seed, out, resume, ckpt=None, run="wandb run name ('dummy': no logging)"):
     """
     Add the flags every training stage has: --preset (the keys of `presets`, default tiny), --device, --seed (default
-    0), --run (default dummy), --ckpt (only when its help is given: pretrain starts from scratch), --out and
-    --resume. The other arguments are the stage's own help texts of those flags.
+    0), --wandb-run (default dummy), --ckpt (only when its help is given: pretrain starts from scratch), --out and
+    --resume. The other arguments are the stage's own help texts of those flags. In a rehearsal, shrinks `presets`
+    first (rehearse).
     """
+    rehearse(presets, parser.prog)
     parser.add_argument("--preset", choices=sorted(presets), default="tiny", help=preset)
     parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
     parser.add_argument("--seed", type=int, default=0, help=seed)
-    parser.add_argument("--run", default="dummy", help=run)
+    # Not `--run`: torchrun parses the flags after the script too, and takes `--run` for an ambiguous abbreviation of
+    # its own --run-path/--run_path. No stage flag may be a prefix of a torchrun option (tests/test_launch.py).
+    parser.add_argument("--wandb-run", dest="run", default="dummy", help=run)
     if ckpt is not None:
         parser.add_argument("--ckpt", default=None, help=ckpt)
     parser.add_argument("--out", default=None, help=out)
     parser.add_argument("--resume", action="store_true", help=resume)
+
+
+def check_numbers(args, positive=(), nonnegative=()):
+    """
+    ValueError naming the flag when a numeric flag is out of range: each name in `positive` must be > 0 and each in
+    `nonnegative` >= 0 (where the stage's help gives 0 a meaning, such as "never"); None (unset: the preset's or
+    the stage's own default) passes. Stages call it right after their flags are filled in, before any work, so a
+    loop never divides by a zero interval.
+    """
+    for names, ok, need in ((positive, lambda v: v > 0, "> 0"), (nonnegative, lambda v: v >= 0, ">= 0")):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not ok(value):
+                raise ValueError(f"--{name.replace('_', '-')} must be {need}, got {value}")
 
 
 FINISHED = "finished"  # resume_or_finish: the stage's checkpoint is final, nothing is left to do
@@ -519,7 +601,7 @@ def _torch_load(file, meta, device):
 
 
 class Logger:
-    """wandb when --run names a run, otherwise nothing leaves the machine ('dummy', the default)."""
+    """wandb when --wandb-run names a run, otherwise nothing leaves the machine ('dummy', the default)."""
 
     def __init__(self, run, config, project="nanopost"):
         self.wandb = None
@@ -544,6 +626,38 @@ def append_report(record):
     record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), **record}
     with open(get_base_dir() / "report.jsonl", "a") as f:
         f.write(json.dumps(record, default=float) + "\n")
+
+
+def check_report(required):
+    """
+    The rehearsal's last check of a run's report: UserError unless report.jsonl holds a record of every entry of
+    `required` ("<stage>", "eval:<stage>" for an evaluation of that checkpoint, "coverage:<stage>" for one that sampled
+    several answers per problem: the coverage view), every number in it is finite, and report.md was written.
+    """
+    records = read_report()
+    found = {r["stage"] for r in records} | {f"eval:{r['of']}" for r in records if r["stage"] == "eval"} \
+        | {f"coverage:{r['of']}" for r in records
+           if r["stage"] == "eval" and r.get("coverage") and r.get("settings", {}).get("num_samples", 1) > 1}
+    missing = [name for name in required if name not in found]
+    if missing:
+        raise UserError(f"the report of {get_base_dir()} lacks {', '.join(missing)}")
+
+    def numbers(obj, where):
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                yield from numbers(value, f"{where}.{key}")
+        elif isinstance(obj, list):
+            for value in obj:
+                yield from numbers(value, where)
+        elif isinstance(obj, float):
+            yield where, obj
+
+    bad = [where for r in records for where, x in numbers(r, r["stage"]) if not math.isfinite(x)]
+    if bad:
+        raise UserError(f"non-finite numbers in the report: {', '.join(bad[:5])}")
+    if not (get_base_dir() / "report.md").exists():
+        raise UserError(f"no report card {get_base_dir() / 'report.md'}")
+    print0(f"report: {len(records)} records, every one of {', '.join(required)} present, all numbers finite")
 
 
 def read_report():

@@ -338,6 +338,10 @@ def main(argv=None):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    common.check_numbers(args, positive=["train_pairs", "eval_pairs", "samples", "beta", "epochs",
+                                         "batch_size", "device_batch_tokens", "max_seq_len", "eval_every",
+                                         "check_problems", "check_samples", "max_new_tokens"],
+                         nonnegative=["save_every", "lr_frac", "sft_weight", "label_smoothing", "temperature"])
     if filled:
         print0(f"{args.loss_type} loss: paper defaults " + ", ".join(f"{k} {v:g}" for k, v in filled.items()))
 
@@ -471,6 +475,7 @@ def main(argv=None):
            f"accuracy {after['rewards/accuracy']:.1%}, margin {after['rewards/margins']:+.3f}")
     logger.log({f"final/{k}": v for k, v in after.items()}, num_steps)
     logger.finish()
+    common.check_ranks_agree(model, "dpo")
     if rank == 0:
         meta = {"stage": "dpo", "finished": True, "preset": args.preset, "args": vars(args), "metrics": after,
                 "sft_step": sft_meta.get("step")}

@@ -78,6 +78,8 @@ PRESETS = {
     "full": {"base_tasks": "bpb,arc-easy,arc-challenge,mmlu", "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu",
              "max_problems": None, "max_tokens": 512, "bpb_tokens": 10 * 524288, "batch_size": 32},
 }
+common.rehearse(PRESETS, "eval.py")  # at import: sft.py reads these too (its bpb check)
+
 
 def problem_set_id(task, indices):
     """A short hash of the problems task[i], i in `indices`, in order: equal ids mean the same problems."""
@@ -127,7 +129,10 @@ def validation_batches(tokenizer, preset, batch_size, seq_len, max_tokens):
     """
     _, rank, _, world_size = get_dist_info()
     num_batches = max(1, max_tokens // (batch_size * seq_len * world_size))
-    batches = pretraining_batches(tokenizer, pretraining_texts(preset, "val"), batch_size, seq_len, rank, world_size)
+    # By document (iter() hides FineWeb-Edu's ParquetDocuments, which shard by row group): the validation split's
+    # ~10 row groups are fewer than the ranks of a 2-node run, and every rank needs batches.
+    texts = iter(pretraining_texts(preset, "val"))
+    batches = pretraining_batches(tokenizer, texts, batch_size, seq_len, rank, world_size)
     for x, y, _ in islice(batches, num_batches):
         yield x, y
 
@@ -514,7 +519,7 @@ def main(argv=None):
                         help="prompts per generation batch, rows per forward pass (default 32)")
     parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
     parser.add_argument("--seed", type=int, default=0, help="seed of sampling and of few-shot draws")
-    parser.add_argument("--run", default="dummy", help="wandb run name ('dummy': no logging)")
+    parser.add_argument("--wandb-run", dest="run", default="dummy", help="wandb run name ('dummy': no logging)")
     parser.add_argument("--report-only", action="store_true", help="only re-render report.md from report.jsonl "
                         "(as python report.py)")
     args = parser.parse_args(argv)
@@ -529,6 +534,8 @@ def main(argv=None):
             parser.error(f"--compare: unknown stage {stage!r}; expected some of {', '.join(STAGES)}")
     if args.compare and (len(stages) < 2 or args.num_samples < 2 or args.ckpt):
         parser.error("--compare takes two or more stages, their default checkpoints (no --ckpt), and --num-samples > 1")
+    common.check_numbers(args, positive=["num_samples", "top_k", "max_tokens", "max_problems", "bpb_tokens",
+                                         "batch_size"], nonnegative=["temperature", "few_shot"])
     ks = [int(k) for k in args.k.split(",")] if args.k else sorted({1, args.num_samples})
     if any(not 1 <= k <= args.num_samples for k in ks):
         parser.error(f"--k {args.k}: every k must be between 1 and --num-samples ({args.num_samples})")

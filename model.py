@@ -360,7 +360,7 @@ def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS
 class ScalarHeadModel(nn.Module):
     """
     s_t = w . h_t + b, where h_t = gpt.hidden(idx)[:, t] is the normalised final hidden state after token t.
-    The GPT keeps its lm_head (unused here, so it gets no gradient and AdamW leaves it alone): the checkpoint is
+    The GPT keeps its lm_head (unused here and frozen, so AdamW leaves it alone): the checkpoint is
     then a plain GPT state dict plus `head.*`, and merge.py averages reward models like any other checkpoint.
     The head starts at zero: every score is 0 until training moves it (a critic's neutral first guess).
     """
@@ -368,6 +368,8 @@ class ScalarHeadModel(nn.Module):
     def __init__(self, gpt):
         super().__init__()
         self.gpt = gpt
+        # Frozen: DistributedDataParallel waits for a gradient of every parameter that requires one, and lm_head
+        # never gets one here (rm.py under torchrun stopped at its second step, with part of the first unaveraged).
         self.head = nn.Linear(gpt.config.n_embd, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 import tasks
 from common import (ASSUMED_MFU, FINISHED, HARDWARE, Logger, add_stage_flags, append_report, autocast_ctx,
-                    batch_tokens_for_device, checkpoint_dir, compute_cleanup, compute_init, exit_preempted,
-                    fit_batch_tokens, format_eta, get_base_dir, load_checkpoint, model_size, preempted, print0,
+                    batch_tokens_for_device, check_numbers, check_ranks_agree, checkpoint_dir, compute_cleanup, compute_init,
+                    exit_preempted, fit_batch_tokens, format_eta, get_base_dir, load_checkpoint, model_size, preempted, print0,
                     print_plan, resume_or_finish, run_cli, save_checkpoint, stage_plan, synchronize)
 from engine import Engine
 from eval import evaluate_bpb
@@ -185,6 +185,10 @@ def parse_args(argv=None):
     for key, value in {**DEFAULTS, **PRESETS[args.preset]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    check_numbers(args, positive=["depth", "max_seq_len", "device_batch_size", "total_batch_size", "num_iterations",
+                                  "target_param_data_ratio", "eval_tokens", "log_every"],
+                  nonnegative=["eval_every", "sample_every", "save_every", "weight_decay", "warmup_frac",
+                               "warmdown_frac"])
     args.out = args.out or str(checkpoint_dir("base"))
     return args
 
@@ -284,7 +288,10 @@ def main(argv=None):
         compute_cleanup()
         return
     eval_steps = max(args.eval_tokens // tokens_per_micro_step, 1)
-    val_texts = training_texts(args.data, "val", args.data_files)
+    # Validation is split by document, not by row group as training is: its 10,000 documents are ~10 row groups,
+    # fewer than the ranks of a 2-node run. iter() hides the ParquetDocuments, so every rank reads the split (a few
+    # MB) and keeps every world_size-th document.
+    val_texts = iter(training_texts(args.data, "val", args.data_files))
     val_batches = [(x, y) for x, y, _ in islice(tasks.pretraining_batches(
         tokenizer, val_texts, args.device_batch_size, args.max_seq_len, rank, world_size), eval_steps)]
     if len(val_batches) < eval_steps:
@@ -312,6 +319,8 @@ def main(argv=None):
         if not all(torch.isfinite(p).all() for p in orig_model.parameters()):
             raise FloatingPointError(f"non-finite weights at step {step}: not saving over the last good checkpoint "
                                      f"in {args.out}; lower the learning rates and rerun (or --resume from it)")
+        if finished:
+            check_ranks_agree(orig_model, f"pretraining step {step}")
         if not master:
             return
         meta = {"stage": "base", "finished": finished, "num_iterations": num_iterations,

@@ -92,9 +92,9 @@ import torch
 import torch.distributed as dist
 
 from common import (FINISHED, HARDWARE, Logger, add_stage_flags, append_report, autocast_ctx, batch_tokens_for_device,
-                    checkpoint_dir, compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, format_eta,
-                    get_dist_info, kv_cache_bytes, load_checkpoint, model_size, preempted, print0, print_plan,
-                    resolve_checkpoint, resume_or_finish, run_cli, save_checkpoint, stage_plan, synchronize)
+                    check_ranks_agree, checkpoint_dir, compute_cleanup, compute_init, exit_preempted, fit_batch_tokens,
+                    format_eta, get_dist_info, kv_cache_bytes, load_checkpoint, model_size, preempted, print0,
+                    print_plan, resolve_checkpoint, resume_or_finish, run_cli, save_checkpoint, stage_plan, synchronize)
 from engine import Engine, load_model, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
@@ -1202,6 +1202,8 @@ def main(argv=None):
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
 
     def save(step, finished):
+        if finished:
+            check_ranks_agree(model, f"rl step {step}")
         if rank != 0:
             return
         extra = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,

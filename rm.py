@@ -141,6 +141,9 @@ def main(argv=None):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    common.check_numbers(args, positive=["train_pairs", "eval_pairs", "samples", "max_new_tokens", "max_seq_len",
+                                         "batch_size", "device_batch_size", "epochs", "eval_every"],
+                         nonnegative=["center_coef", "lr_frac", "head_lr_mult"])
 
     stage_start = time.time()
     ddp, rank, local_rank, world_size, device = compute_init(args.device, args.seed)
@@ -222,6 +225,7 @@ def main(argv=None):
     print0(f"held-out pair accuracy {before['accuracy']:.1%} -> {after['accuracy']:.1%}, margin "
            f"{after['margin']:+.3f}, mean score {after['score']:+.3f} ({eval_counts['paired']} held-out pairs)")
     logger.finish()
+    common.check_ranks_agree(model, "rm")
     if rank == 0:
         meta = {"stage": "rm", "reward_model": True, "finished": True, "preset": args.preset, "args": vars(args),
                 "metrics": after, "sft_step": sft_meta.get("step")}
@@ -237,4 +241,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.run_cli(main)

@@ -59,17 +59,17 @@ from tasks import (GSM8K, NgramIndex, RowTooLong, SmolTalk, SyntheticCalculatorA
 # 2,048) need ~61 GiB per GPU with chunked logits (model.training_memory). tiny: 4,096 = 16 rows of the 256-token
 # context, the old 16-row micro-batch at its longest.
 PRESETS = {
-    "tiny": dict(train_rows=4000, batch_size=32, device_batch_tokens=4096, lr_frac=0.5, eval_every=25, eval_rows=256,
-                 check_problems=256, check_samples=4, max_new_tokens=64, save_every=25, replay_frac=0.1,
+    "tiny": dict(train_rows=4000, num_steps=None, batch_size=32, device_batch_tokens=4096, lr_frac=0.5, eval_every=25,
+                 eval_rows=256, check_problems=256, check_samples=4, max_new_tokens=64, save_every=25, replay_frac=0.1,
                  decontaminate=False),
     # small (one 24 GB GPU, ~10 min): 50k SmolTalk conversations of <= 1,024 tokens + GSM8K, the full preset's
     # optimizer batch; on a GPU each stage's micro-batch is the largest of the preset's, half of it, ... that fits.
-    "small": dict(train_rows=50_000, batch_size=512, device_batch_tokens=16384, lr_frac=0.02, eval_every=50,
-                  eval_rows=1000, check_problems=256, check_samples=4, max_new_tokens=512, save_every=50,
+    "small": dict(train_rows=50_000, num_steps=None, batch_size=512, device_batch_tokens=16384, lr_frac=0.02,
+                  eval_every=50, eval_rows=1000, check_problems=256, check_samples=4, max_new_tokens=512, save_every=50,
                   replay_frac=0.0, decontaminate=True),
-    "full": dict(train_rows=None, batch_size=512, device_batch_tokens=32768, lr_frac=0.02, eval_every=200,
-                 eval_rows=2000, check_problems=256, check_samples=4, max_new_tokens=512, save_every=500,
-                 replay_frac=0.0, decontaminate=True),
+    "full": dict(train_rows=None, num_steps=None, batch_size=512, device_batch_tokens=32768, lr_frac=0.02,
+                 eval_every=200, eval_rows=2000, check_problems=256, check_samples=4, max_new_tokens=512,
+                 save_every=500, replay_frac=0.0, decontaminate=True),
 }
 # Tokens of one pass over each GPU preset's hub data, for the budget (plan); estimates: smol-smoltalk averages
 # ~430 tokens a conversation, GSM8K ~250 (a dry run reads stand-in files and cannot count them).
@@ -278,7 +278,7 @@ def main(argv=None):
                            resume="continue from the latest checkpoint in --out")
     parser.add_argument("--train-rows", type=int, help="rows of the main training source (tiny: synthetic, full: "
                         "SmolTalk; default: the preset's)")
-    parser.add_argument("--num-steps", type=int, default=None, help="optimizer steps (default: one pass over the data)")
+    parser.add_argument("--num-steps", type=int, help="optimizer steps (default: one pass over the data)")
     parser.add_argument("--batch-size", type=int, help="conversations per optimizer step, all ranks together")
     parser.add_argument("--device-batch-tokens", type=int, help="padded positions (rows x longest row) per "
                         "micro-batch per rank; at least --max-seq-len")
@@ -306,7 +306,10 @@ def main(argv=None):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-
+    common.check_numbers(args, positive=["train_rows", "num_steps", "batch_size", "device_batch_tokens", "max_seq_len",
+                                         "eval_every", "eval_rows", "check_problems", "check_samples",
+                                         "max_new_tokens"],
+                         nonnegative=["save_every", "lr_frac"])
     replay_rows_for(1, args.replay_frac)  # checks --replay-frac
 
     ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
@@ -437,6 +440,7 @@ def main(argv=None):
            f"stop {final['stop_rate']:.1%} | pass@1 greedy {final['pass@1']:.1%} | pass@1 T=1 {final['pass@1_t1']:.1%}")
     logger.log({f"final/{k}": v for k, v in final.items()}, num_steps)
     logger.finish()
+    common.check_ranks_agree(model, "sft")
     if rank == 0:
         meta = {"stage": "sft", "finished": True, "preset": args.preset, "args": vars(args), "metrics": final,
                 "base_step": base_meta.get("step")}

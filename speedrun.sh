@@ -92,6 +92,76 @@ if [ "${1:-}" = "--rlhf" ]; then
   exit 0
 fi
 
+# -----------------------------------------------------------------------------
+# The chain, shared by the real run and the rehearsal: the same lines, only PRESET, LAUNCH, STAGE_FLAGS and LIMIT
+# (the rehearsal's time limit in front of every command; empty otherwise) differ.
+
+LIMIT=()
+
+prepare_data() {
+  # Hub data is downloaded once (resumable) and every stage reads it from disk: each rank its own row groups.
+  # The small preset reads ~0.75B tokens: 2 of sample-10BT's ~0.7B-token files are enough. Data already there is
+  # checked offline and kept; HF_HUB_OFFLINE=1 never contacts the hub.
+  export NANOPOST_DATA_DIR="${NANOPOST_DATA_DIR:-$NANOPOST_HOME/data}"
+  local shards=()
+  [ "$PRESET" = small ] && shards=(--fineweb-shards 2)
+  "${LIMIT[@]}" python tasks.py prepare --dest "$NANOPOST_DATA_DIR" "${shards[@]}"
+}
+
+run_chain() {
+  if [ -f "$NANOPOST_HOME/tokenizer/tokenizer.json" ]; then
+    echo "speedrun: tokenizer already trained, skipping"
+  else
+    "${LIMIT[@]}" python tokenizer.py --preset "$PRESET"
+  fi
+  "${LIMIT[@]}" "${LAUNCH[@]}" pretrain.py "${STAGE_FLAGS[@]}"
+  "${LIMIT[@]}" "${LAUNCH[@]}" sft.py "${STAGE_FLAGS[@]}"
+  "${LIMIT[@]}" "${LAUNCH[@]}" dpo.py "${STAGE_FLAGS[@]}"
+  "${LIMIT[@]}" "${LAUNCH[@]}" rl.py "${STAGE_FLAGS[@]}"
+  # Every checkpoint on its held-out tasks, then the coverage view: does RL's pass@1 gain cost pass@k?
+  local stage
+  for stage in base sft dpo rl; do
+    "${LIMIT[@]}" "${LAUNCH[@]}" eval.py --preset "$PRESET" --stage "$stage"
+  done
+  local coverage_task
+  coverage_task=$([ "$PRESET" = tiny ] && echo synthetic || echo gsm8k)
+  "${LIMIT[@]}" "${LAUNCH[@]}" eval.py --preset "$PRESET" --compare sft rl --num-samples 8 --k 1,8 \
+    --tasks "$coverage_task"
+}
+
+if [ "${1:-}" = "--rehearse" ]; then
+  # The small and full presets' own path (run_chain above, launched with torchrun) on CPU: 2 gloo processes,
+  # stand-in hub data in the hub's layout, prepared offline. NANOPOST_REHEARSAL=1 makes every stage replace its
+  # preset's sizes (common.REHEARSAL: depth, context, steps, problems) and print so; nothing else changes. It fails
+  # on a non-zero exit, a launch still running after REHEARSAL_TIMEOUT seconds (default 600), a non-finite loss or
+  # weight, ranks whose weights differ at a checkpoint (common.check_ranks_agree) and a report card missing a stage.
+  # REHEARSAL_DIR=path keeps its files there (default: a temporary folder, removed at the end).
+  if [ -n "${REHEARSAL_DIR:-}" ]; then
+    REH="$REHEARSAL_DIR"
+    mkdir -p "$REH"
+  else
+    REH=$(mktemp -d)
+    trap 'rm -rf "$REH"' EXIT
+  fi
+  export NANOPOST_REHEARSAL=1 HF_HUB_OFFLINE=1 NANOPOST_DATA_DIR="$REH/data"
+  LIMIT=(timeout -k 30 "${REHEARSAL_TIMEOUT:-600}")
+  [ -d "$NANOPOST_DATA_DIR" ] || "${LIMIT[@]}" python -c "import tasks; tasks.write_stand_in_data('$NANOPOST_DATA_DIR')"
+  LAUNCH=(torchrun --standalone --nproc_per_node=2)
+  for PRESET in small full; do
+    SECONDS=0
+    export NANOPOST_HOME="$REH/$PRESET"
+    STAGE_FLAGS=(--preset "$PRESET" --wandb-run dummy --resume)
+    echo "speedrun --rehearse: preset $PRESET, launch: ${LAUNCH[*]} STAGE.py ${STAGE_FLAGS[*]}"
+    prepare_data
+    run_chain
+    "${LIMIT[@]}" python -c "import common; common.run_cli(lambda: common.check_report(['tokenizer', 'pretrain', \
+'sft', 'dpo', 'rl', 'eval:base', 'eval:sft', 'eval:dpo', 'eval:rl', 'coverage:sft', 'coverage:rl']))"
+    echo "speedrun --rehearse: preset $PRESET passed in ${SECONDS}s"
+  done
+  echo "speedrun --rehearse: the small and full presets' chains ran end to end under torchrun (2 gloo processes)"
+  exit 0
+fi
+
 export NANOPOST_HOME="${NANOPOST_HOME:-$HOME/.cache/nanopost}"
 # On SIGTERM/SIGINT a training stage finishes its step, saves a resumable checkpoint and exits with 75
 # (common.PREEMPTED_EXIT); set -e stops the chain there. torchrun gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT
@@ -116,8 +186,10 @@ case "$PRESET" in
   small|full) LAUNCH=(torchrun --standalone --nproc_per_node="$([ "$NPROC" -gt 0 ] && echo "$NPROC" || echo 1)") ;;
   *) echo "speedrun: PRESET must be tiny, small or full, got '$PRESET'" >&2; exit 1 ;;
 esac
+STAGE_FLAGS=(--preset "$PRESET" --wandb-run "$RUN" --resume)
 if [ "${1:-}" = "--choose" ]; then  # only say what would run here
   echo "speedrun: preset $PRESET, launch: ${LAUNCH[*]}"
+  echo "speedrun: stage launch: ${LAUNCH[*]} STAGE.py ${STAGE_FLAGS[*]}"
   exit 0
 fi
 if [ "$PRESET" = tiny ]; then
@@ -127,31 +199,8 @@ if [ "$PRESET" = tiny ]; then
   echo "speedrun: OMP_NUM_THREADS=$OMP_NUM_THREADS torch threads per stage"
 fi
 echo "speedrun: writing to $NANOPOST_HOME; wandb run: $RUN"
-STAGE_FLAGS=(--preset "$PRESET" --run "$RUN" --resume)
 
-if [ "$PRESET" != tiny ]; then
-  # Hub data is downloaded once (resumable) and every stage reads it from disk: each rank its own row groups.
-  # The small preset reads ~0.75B tokens: 2 of sample-10BT's ~0.7B-token files are enough.
-  export NANOPOST_DATA_DIR="${NANOPOST_DATA_DIR:-$NANOPOST_HOME/data}"
-  SHARDS=()
-  [ "$PRESET" = small ] && SHARDS=(--fineweb-shards 2)
-  python tasks.py prepare --dest "$NANOPOST_DATA_DIR" "${SHARDS[@]}"
-fi
-
-if [ -f "$NANOPOST_HOME/tokenizer/tokenizer.json" ]; then
-  echo "speedrun: tokenizer already trained, skipping"
-else
-  python tokenizer.py --preset "$PRESET"
-fi
-"${LAUNCH[@]}" pretrain.py "${STAGE_FLAGS[@]}"
-"${LAUNCH[@]}" sft.py "${STAGE_FLAGS[@]}"
-"${LAUNCH[@]}" dpo.py "${STAGE_FLAGS[@]}"
-"${LAUNCH[@]}" rl.py "${STAGE_FLAGS[@]}"
-# Every checkpoint on its held-out tasks, then the coverage view: does RL's pass@1 gain cost pass@k?
-for STAGE in base sft dpo rl; do
-  "${LAUNCH[@]}" eval.py --preset "$PRESET" --stage "$STAGE"
-done
-COVERAGE_TASK=$([ "$PRESET" = tiny ] && echo synthetic || echo gsm8k)
-"${LAUNCH[@]}" eval.py --preset "$PRESET" --compare sft rl --num-samples 8 --k 1,8 --tasks "$COVERAGE_TASK"
+if [ "$PRESET" != tiny ]; then prepare_data; fi
+run_chain
 echo "speedrun: done. Report card: $NANOPOST_HOME/report.md"
 echo "speedrun: chat with the result: python engine.py --ckpt $NANOPOST_HOME/checkpoints/rl"

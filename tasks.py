@@ -15,12 +15,14 @@ import os
 import random
 import re
 import signal
+import socket
 import threading
 from collections import Counter, deque
 from contextlib import contextmanager
 from fnmatch import fnmatch
 from itertools import islice
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -913,8 +915,11 @@ def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_siz
 # the full preset's data pipelines run end to end offline (speedrun.sh --dry-run) and in tests.
 
 
-def write_stand_in_data(root, seed=0, documents=12_000, rows=512):
-    """Write stand-in files of every hub dataset the full preset reads under `root`; returns `root`."""
+def write_stand_in_data(root, seed=0, documents=12_000, rows=512, row_group_size=1000):
+    """
+    Write stand-in files of every hub dataset the GPU presets read under `root`; returns `root`. FineWeb-Edu comes as
+    two parquet files of `row_group_size`-document row groups (the small preset prepares two files).
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -931,7 +936,9 @@ def write_stand_in_data(root, seed=0, documents=12_000, rows=512):
     texts = [" ".join(rng.choices(words, k=rng.randint(20, 200))) + "." for _ in range(documents)]
     folder = root / FINEWEB_REPO / HUB_FOLDERS[FINEWEB_REPO, FINEWEB_CONFIG][0]  # the hub's own layout
     folder.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"text": texts}), folder / "000_00000.parquet", row_group_size=1000)
+    half = documents // 2
+    for i, part in enumerate([texts[:half], texts[half:]]):
+        pq.write_table(pa.table({"text": part}), folder / f"{i:03d}_00000.parquet", row_group_size=row_group_size)
 
     for split in ("train", "test"):
         problems = [p for p, _ in zip(synthetic_problems(split, seed), range(rows))]
@@ -975,8 +982,76 @@ HUB_DOWNLOADS = {  # repo -> the files of it the full preset reads
 }
 
 
+# What the GPU presets read of each download, (repo, config, split): prepare checks these offline.
+PREPARED_SPLITS = [(FINEWEB_REPO, FINEWEB_CONFIG, "train"), ("openai/gsm8k", "main", "train"),
+                   ("openai/gsm8k", "main", "test"), ("HuggingFaceTB/smol-smoltalk", None, "train"),
+                   ("HuggingFaceTB/smol-smoltalk", None, "test"),
+                   ("HuggingFaceH4/ultrafeedback_binarized", None, "train_prefs"),
+                   ("HuggingFaceH4/ultrafeedback_binarized", None, "test_prefs"),
+                   ("allenai/ai2_arc", "ARC-Easy", "test"), ("allenai/ai2_arc", "ARC-Challenge", "test"),
+                   ("cais/mmlu", "all", "test")]
+
+
+def _row_count(path):
+    """Rows of a data file, from parquet metadata or by counting JSON lines (no `datasets`, no network)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    if path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    return len(json.loads(path.read_text()))
+
+
+def missing_data(dest, fineweb_shards=None):
+    """
+    What `dest` lacks of PREPARED_SPLITS, offline: a list of "repo (config, split): why" (empty when complete).
+    A split needs a file that local_files finds, with at least one row; FineWeb-Edu needs `fineweb_shards` files when
+    given. A file that does not read (cut short, damaged) is missing too.
+    """
+    missing = []
+    for repo, config, split in PREPARED_SPLITS:
+        name = f"{repo} ({config or 'default'}, {split})"
+        try:
+            files = local_files(repo, split, config, root=dest)
+            rows = sum(_row_count(f) for f in files)
+        except FileNotFoundError:
+            missing.append(f"{name}: no files")
+            continue
+        except Exception as e:  # pyarrow and json have many ways to say a file is damaged
+            missing.append(f"{name}: unreadable ({type(e).__name__})")
+            continue
+        if rows == 0:
+            missing.append(f"{name}: no rows")
+        elif repo == FINEWEB_REPO and fineweb_shards and len(files) < fineweb_shards:
+            missing.append(f"{name}: {len(files)} of {fineweb_shards} files")
+    return missing
+
+
 def prepare(dest, fineweb_shards=None):
-    """Download HUB_DOWNLOADS into `dest` (the first `fineweb_shards` FineWeb-Edu files only, if given)."""
+    """
+    Make `dest` hold what the GPU presets read. When it already does (missing_data finds nothing) it is kept as it
+    is, without contacting the hub: compute nodes often have no internet. Otherwise HUB_DOWNLOADS are downloaded
+    (the first `fineweb_shards` FineWeb-Edu files only, if given); with HF_HUB_OFFLINE=1 or the hub unreachable,
+    a UserError names what is missing and how to bring it.
+    """
+    from common import UserError
+
+    missing = missing_data(dest, fineweb_shards)
+    if not missing:
+        print(f"prepare: {dest} already holds every split the presets read (checked offline); nothing to download")
+        return
+    shards = f" --fineweb-shards {fineweb_shards}" if fineweb_shards else ""
+    where = (f"{len(missing)} of {len(PREPARED_SPLITS)} splits are missing in {dest} ({'; '.join(missing)}); run "
+             f"`python tasks.py prepare --dest DIR{shards}` on a machine with internet and copy DIR to {dest}")
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no"):
+        raise UserError(f"HF_HUB_OFFLINE is set and {where}")
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:  # one quick probe: huggingface_hub itself retries a dead connection for minutes, then shows a traceback
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=10).close()
+    except OSError as e:
+        raise UserError(f"cannot reach the Hugging Face hub at {endpoint.hostname} ({e}) and {where}") from None
     from huggingface_hub import list_repo_files, snapshot_download  # installed with `datasets`
 
     for repo, patterns in HUB_DOWNLOADS.items():
@@ -991,12 +1066,18 @@ def prepare(dest, fineweb_shards=None):
 if __name__ == "__main__":
     import argparse
 
-    from common import get_base_dir
+    from common import check_numbers, get_base_dir, run_cli
 
-    parser = argparse.ArgumentParser(description="Download the full preset's hub data once (resumable).")
-    parser.add_argument("command", choices=["prepare"], help="prepare: download into --dest")
+    parser = argparse.ArgumentParser(description="Download the GPU presets' hub data once (resumable); data already "
+                                     "in --dest is checked offline and kept (HF_HUB_OFFLINE=1: never download).")
+    parser.add_argument("command", choices=["prepare"], help="prepare: check --dest, download what it lacks")
     parser.add_argument("--dest", default=None, help="target folder (default: $NANOPOST_HOME/data)")
     parser.add_argument("--fineweb-shards", type=int, default=None, help="download only the first N FineWeb-Edu "
                         "sample-10BT files (default: all, ~27 GB; the full preset reads ~8.4B tokens of ~10B)")
     args = parser.parse_args()
-    prepare(args.dest or get_base_dir() / "data", args.fineweb_shards)
+
+    def main():
+        check_numbers(args, positive=["fineweb_shards"])
+        prepare(args.dest or get_base_dir() / "data", args.fineweb_shards)
+
+    run_cli(main)

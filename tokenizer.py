@@ -354,6 +354,7 @@ def main():
                         help="training text budget in characters (default: tiny 10M, full 2B)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: $NANOPOST_HOME/tokenizer)")
     args = parser.parse_args()
+    common.rehearse(PRESETS, parser.prog)
     vocab_size = args.vocab_size or PRESETS[args.preset]["vocab_size"]
     max_chars = args.max_chars or PRESETS[args.preset]["max_chars"]
     out = args.out or common.get_base_dir() / "tokenizer"

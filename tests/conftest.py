@@ -92,3 +92,29 @@ def ends_turn_sometimes(model, tokenizer, weight=0.6):
         model.lm_head.weight[end] = 0.0
         model.lm_head.weight[end, 0] = weight
     return model
+
+
+# -----------------------------------------------------------------------------
+# The rehearsal (bash speedrun.sh --rehearse), run once per test session: test_rehearsal.py checks it, the launch-shape
+# tests start from its checkpoints.
+
+REHEARSAL_TIMEOUT = 1200  # seconds for the whole rehearsal; each launch inside has its own limit (REHEARSAL_TIMEOUT)
+
+
+@pytest.fixture(scope="session")
+def rehearsal(tmp_path_factory):
+    """(folder, finished process) of `bash speedrun.sh --rehearse` kept in a temporary folder: <folder>/small and
+    <folder>/full are the presets' NANOPOST_HOMEs, <folder>/data the stand-in hub data."""
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+
+    folder = tmp_path_factory.mktemp("rehearsal")
+    env = {**os.environ, "REHEARSAL_DIR": str(folder), "REHEARSAL_TIMEOUT": "300"}
+    env.pop("NANOPOST_HOME", None)
+    t0 = time.time()
+    result = subprocess.run(["bash", str(Path(__file__).resolve().parents[1] / "speedrun.sh"), "--rehearse"], env=env,
+                            capture_output=True, text=True, timeout=REHEARSAL_TIMEOUT)
+    result.seconds = time.time() - t0
+    return folder, result

@@ -1,0 +1,95 @@
+"""
+Launch lines: every flag of every script survives torchrun's own argument parser, and speedrun.sh's launch line
+(the one it builds, not a copy) reaches the stage intact.
+
+torchrun parses the words after the training script too: a script flag that is a prefix of two of its options
+(`--run` of `--run-path` and `--run_path`) stops it with "ambiguous option" before any process starts.
+"""
+
+import argparse
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for p in [*ROOT.glob("*.py"), *ROOT.glob("bench/*.py")]
+                 if 'if __name__ == "__main__":' in p.read_text() and "ArgumentParser(" in p.read_text())
+
+
+class _Parsed(BaseException):
+    """Raised from a patched parse_args to hand the script's parser back (a BaseException: run_cli lets it through)."""
+
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def script_parser(script, monkeypatch):
+    """The argparse parser `python <script>` builds: the script runs as __main__ until it parses its arguments."""
+
+    def capture(self, args=None, namespace=None):
+        raise _Parsed(self)
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # run_cli catches them
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", capture)
+        m.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+        m.setattr(sys, "argv", [script])
+        m.syspath_prepend(str(ROOT / Path(script).parent))
+        try:
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        except _Parsed as parsed:
+            return parsed.parser
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+    raise AssertionError(f"{script} never parsed its arguments")
+
+
+def torchrun_options():
+    return [o for action in get_args_parser()._actions for o in action.option_strings]
+
+
+def test_every_script_parses_arguments():
+    assert {"pretrain.py", "sft.py", "dpo.py", "rl.py", "rm.py", "eval.py", "merge.py", "serve.py",
+            "bench/gpu_check.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_flag_is_a_prefix_of_a_torchrun_option(script, monkeypatch):
+    """Stricter than torchrun's own rule (it refuses only a prefix of two options): a prefix of one option today is
+    ambiguous as soon as torch adds its underscore spelling. --help is exempt: torchrun hands it to the script."""
+    options = torchrun_options()
+    flags = [f for action in script_parser(script, monkeypatch)._actions for f in action.option_strings
+             if f not in ("-h", "--help")]
+    clashes = {f: [o for o in options if o.startswith(f)] for f in flags}
+    assert not {f: o for f, o in clashes.items() if o}, f"{script}: flags that torchrun may take for its own"
+    for flag in flags:  # and torchrun's real parser hands each one to the script untouched
+        parsed = get_args_parser().parse_args(["--nproc_per_node=2", script, flag, "1"])
+        assert parsed.training_script_args == [flag, "1"]
+
+
+def speedrun_launch(preset, nproc, tmp_path):
+    """The launch line `speedrun.sh --choose` prints for a stage: (launcher words, script, stage flags)."""
+    env = {**os.environ, "PRESET": preset, "NANOPOST_FAKE_GPUS": f"{nproc}x81559",
+           "NANOPOST_HOME": str(tmp_path)}
+    out = subprocess.run(["bash", str(ROOT / "speedrun.sh"), "--choose"], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    line = next(line for line in out.splitlines() if line.startswith("speedrun: stage launch: "))
+    words = line.removeprefix("speedrun: stage launch: ").split()
+    at = words.index("STAGE.py")
+    return words[:at], words[at + 1:]
+
+
+def test_speedrun_launch_line_reaches_the_stage(tmp_path):
+    """The words speedrun.sh puts after torchrun parse as torchrun's, and every stage gets its flags untouched."""
+    launcher, flags = speedrun_launch("small", 1, tmp_path)
+    assert launcher[0] == "torchrun" and "--wandb-run" in flags
+    for script in ("pretrain.py", "sft.py", "dpo.py", "rl.py", "eval.py"):
+        parsed = get_args_parser().parse_args(launcher[1:] + [script] + flags)
+        assert parsed.training_script == script and parsed.training_script_args == flags
