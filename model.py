@@ -370,6 +370,7 @@ class ScalarHeadModel(nn.Module):
         self.gpt = gpt
         # Frozen: DistributedDataParallel waits for a gradient of every parameter that requires one, and lm_head
         # never gets one here (rm.py under torchrun stopped at its second step, with part of the first unaveraged).
+        gpt.lm_head.requires_grad_(False)
         self.head = nn.Linear(gpt.config.n_embd, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
