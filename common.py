@@ -74,14 +74,25 @@ def compute_init(device=None, seed=0):
         backend = "nccl" if device_type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device_type == "cuda" else {}
         dist.init_process_group(backend=backend, **kwargs)
+    if is_ddp:
+        _users[0] += 1
     torch.manual_seed(seed)
     return is_ddp, rank, local_rank, world_size, device
 
 
+# compute_init calls not yet matched by a compute_cleanup: a driver that runs stages in its own process group
+# (bench/gpu_check.py under torchrun) keeps it across them, since a destroyed group cannot be created again.
+_users = [0]
+
+
 def compute_cleanup():
+    """Wait for every rank; the last compute_init's user out destroys the process group."""
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        _users[0] -= 1
+        if _users[0] <= 0:
+            _users[0] = 0
+            dist.destroy_process_group()
 
 
 def autocast_ctx(device):

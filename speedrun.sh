@@ -9,6 +9,7 @@
 #   WANDB_RUN=name bash speedrun.sh   # also log every stage to Weights & Biases
 #   NANOPOST_HOME=/path bash speedrun.sh   # where tokenizer, checkpoints and report go (default ~/.cache/nanopost)
 #   bash speedrun.sh --rlhf       # tiny preset: SFT -> reward model (rm.py) -> RL from the reward model, + report rows
+#   bash speedrun.sh --rehearse   # the small and full presets' own chain on CPU: torchrun, 2 processes, tiny sizes
 #
 # Re-running after an interruption skips the stages that finished and resumes the one that was interrupted:
 # every stage gets --resume, which continues from the stage's newest whole checkpoint (one that fails its checksums

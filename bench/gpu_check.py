@@ -1,13 +1,17 @@
 """
-The acceptance run for one GPU (issue 10): does the preset's every stage run, how fast, and within how much memory?
-No hub access: stand-in data (tasks.write_stand_in_data, as `bash speedrun.sh --dry-run`) and a tokenizer trained on
-it, in a temporary $NANOPOST_HOME. A few minutes; prints one table and exits 1 if any check failed or a peak
-exceeded the GPU's memory.
+The acceptance run on GPUs: does the preset's every stage run, how fast, and within how much memory? No hub access:
+stand-in data (tasks.write_stand_in_data, as `bash speedrun.sh --dry-run`) and a tokenizer trained on it, in a
+temporary $NANOPOST_HOME. A few minutes; prints one table and exits 1 if any check failed, a peak exceeded the GPU's
+memory or its plan by more than 10%, or a throughput fell below half of what the plan assumes.
 
-    python bench/gpu_check.py                    # full preset: depth 20, 2,048-token rows, RL at 4 prompts
+    torchrun --nproc_per_node=$(nvidia-smi -L | wc -l) bench/gpu_check.py   # every visible GPU: DDP over NCCL
+    python bench/gpu_check.py                    # one GPU; full preset: depth 20, 2,048-token rows, RL at 4 prompts
     python bench/gpu_check.py --preset small     # the one-GPU preset (depth 8, 1,024-token rows)
     python bench/gpu_check.py --device cpu --depth 2 --vocab-size 512 --seq-len 64 --steps 2 \
         --engine-rows 8 --engine-tokens 8 --rl-prompts 2 --rl-max-tokens 8      # scaled down (tests/test_gpu_check.py)
+
+Under torchrun every rank runs every check (pretraining and RL as one DDP job), rank 0 prints its own measurements,
+and the run fails when any rank's check failed.
 
 Rows of the table, each through the stage's own code:
     pretrain  pretrain.main for --steps steps at the preset's depth (or the deepest below it that fits), the rows
@@ -15,10 +19,15 @@ Rows of the table, each through the stage's own code:
     sft       one optimizer step of sft.backward_sft_loss on a micro-batch of full-length rows at the token budget
               that fits this GPU (common.batch_tokens_for_device): the worst case of a real micro-batch
     dpo       the same with dpo.preference_losses on pairs of two full-length sides
+    rm        one optimizer step of the reward model (rm.pair_scores, rm.reward_model_loss) on full-length pairs
+    eval      eval.evaluate_multiple_choice (letter style) on items whose prompts fill the preset's context
     engine    Engine.generate of --engine-rows rows x --engine-tokens tokens under autocast: tokens/s, KV-cache dtype
-    rl        rl.main for one step of the preset at --rl-prompts prompts (no dynamic sampling: a barely trained model
-              solves nothing): rollout and learner seconds
-"peak" is torch.cuda.max_memory_allocated of the check, "plan" what common.planned_memory predicts for it.
+    rl        rl.main for one step with the preset's settings (dynamic sampling, oversampling) at --rl-prompts
+              prompts of mixed lengths (GSM8K stand-ins): rollout and learner seconds. A barely trained model solves
+              nothing, so the step samples every round dynamic sampling allows and keeps no group to learn from.
+"peak" is torch.cuda.max_memory_allocated of the check, "plan" what common.planned_memory predicts for it; "need" the
+throughput the plan assumes (common.ASSUMED_MFU of this GPU's peak FLOP/s, or HARDWARE's decode rate), on GPUs whose
+peak FLOP/s is known.
 """
 
 import argparse
@@ -26,6 +35,7 @@ import contextlib
 import io
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -38,12 +48,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import dpo  # noqa: E402
+import eval as evaluation  # noqa: E402
 import pretrain  # noqa: E402
 import rl  # noqa: E402
+import rm  # noqa: E402
 import sft  # noqa: E402
 import tasks  # noqa: E402
 from engine import Engine, KVCache, load_model  # noqa: E402
-from model import LOGITS_CHUNK_TOKENS, GPTConfig  # noqa: E402
+from model import LOGITS_CHUNK_TOKENS, GPTConfig, ScalarHeadModel  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 GIB = common.GIB
@@ -89,8 +101,16 @@ def quietly(fn, *args):
     return result, out.getvalue()
 
 
+def assumed_rate(device, mfu, flops_per_token, processes=1):
+    """Tokens/s the plan assumes: `mfu` of this GPU's peak FLOP/s over every process; None off CUDA or for a GPU whose
+    peak is not in pretrain.PEAK_FLOPS."""
+    peak = pretrain.peak_flops(device)
+    return mfu * peak * processes / flops_per_token if peak else None
+
+
 def check_pretrain(args, device, gpu_bytes, data_files):
-    """pretrain.main at the deepest depth <= --depth whose smallest micro-batch fits."""
+    """pretrain.main at the deepest depth <= --depth whose smallest micro-batch fits, as one job over every rank."""
+    world_size = common.get_dist_info()[3]
     values = pretrain.PRESETS[args.preset]
     seq_len = args.seq_len or values["max_seq_len"]
     for depth in range(args.depth or values["depth"], 0, -2):
@@ -105,16 +125,19 @@ def check_pretrain(args, device, gpu_bytes, data_files):
             tokens = seq_len
         rows = tokens // seq_len
         argv = ["--preset", args.preset, "--depth", str(depth), "--max-seq-len", str(seq_len), "--device-batch-size",
-                str(rows), "--total-batch-size", str(tokens), "--num-iterations", str(args.steps), "--eval-every", "0",
+                str(rows), "--total-batch-size", str(tokens * world_size), "--num-iterations", str(args.steps),
+                "--eval-every", "0",
                 "--eval-tokens", str(tokens), "--sample-every", "0", "--save-every", "0", "--log-every", "1",
                 "--data-files", *map(str, data_files), "--device", device.type]
         _, seconds, peak = measure(device, lambda: quietly(pretrain.main, argv))
         record = common.read_report()[-1]
         plan = common.planned_memory(config, tokens, None) / GIB
         mfu = f", MFU {100 * record['mfu']:.0f}%" if record.get("mfu") else ""
-        return dict(check="pretrain", shape=f"depth {depth}, {rows} x {seq_len}",
+        return dict(check="pretrain", shape=f"depth {depth}, {rows} x {seq_len} x {world_size} ranks",
                     speed=f"{record['tokens_per_sec']:,.0f} tok/s{mfu}", seconds=seconds, peak=peak,
-                    plan=plan)
+                    plan=plan, rate=record["tokens_per_sec"],
+                    need=assumed_rate(device, common.ASSUMED_MFU["pretrain"], common.model_size(config)[1],
+                                      world_size))
     raise common.UserError(f"no depth <= {args.depth or values['depth']} fits this GPU")
 
 
@@ -151,7 +174,8 @@ def check_sft(args, device, model, tokenizer):
     _, seconds, peak = measure(device, step)
     return dict(check="sft", shape=f"{len(rows)} x {seq_len} = {tokens:,} tokens",
                 speed=f"{tokens / seconds:,.0f} tok/s", seconds=seconds, peak=peak,
-                plan=common.planned_memory(model.config, tokens, LOGITS_CHUNK_TOKENS) / GIB)
+                plan=common.planned_memory(model.config, tokens, LOGITS_CHUNK_TOKENS) / GIB, rate=tokens / seconds,
+                need=assumed_rate(device, common.ASSUMED_MFU["post-training"], model.flops_per_token()))
 
 
 def check_dpo(args, device, model, tokenizer):
@@ -177,7 +201,52 @@ def check_dpo(args, device, model, tokenizer):
     _, seconds, peak = measure(device, step)
     return dict(check="dpo", shape=f"{len(pairs)} pairs x 2 x {seq_len} = {tokens:,} tokens",
                 speed=f"{tokens / seconds:,.0f} tok/s", seconds=seconds, peak=peak,
-                plan=common.planned_memory(model.config, tokens, LOGITS_CHUNK_TOKENS) / GIB)
+                plan=common.planned_memory(model.config, tokens, LOGITS_CHUNK_TOKENS) / GIB, rate=tokens / seconds,
+                need=assumed_rate(device, common.ASSUMED_MFU["post-training"], model.flops_per_token()))
+
+
+def check_rm(args, device, ckpt):
+    """One optimizer step of the reward model (a fresh ScalarHeadModel on the base) on pairs of full-length sides,
+    rm's full preset's pairs per micro-batch; planned as a training step with chunked logits (an upper bound: the
+    scalar head has no logits)."""
+    gpt, tokenizer, _ = load_model(ckpt, device)
+    model = ScalarHeadModel(gpt).to(device).train()
+    seq_len = model.config.sequence_len
+    g = torch.Generator().manual_seed(2)
+
+    def side():
+        return torch.randint(tokenizer.vocab_size, (seq_len,), generator=g).tolist(), None
+
+    pairs = [(side(), side()) for _ in range(rm.PRESETS["full"]["device_batch_size"])]
+    optimizers = model.setup_optimizers(0.0, 0.0, 0.0)
+
+    def step():
+        chosen, rejected = rm.pair_scores(model, pairs, tokenizer.bos_id, device)
+        rm.reward_model_loss(chosen, rejected).mean().backward()
+        optimizer_step(model, optimizers)
+
+    _, seconds, peak = measure(device, step)
+    tokens = 2 * len(pairs) * seq_len
+    return dict(check="rm", shape=f"{len(pairs)} pairs x 2 x {seq_len} = {tokens:,} tokens",
+                speed=f"{tokens / seconds:,.0f} tok/s", seconds=seconds, peak=peak,
+                plan=common.planned_memory(model.config, tokens, LOGITS_CHUNK_TOKENS) / GIB, rate=tokens / seconds,
+                need=assumed_rate(device, common.ASSUMED_MFU["post-training"], model.gpt.flops_per_token()))
+
+
+def check_eval(args, device, model, tokenizer):
+    """Multiple choice (letter style, as MMLU) on items whose prompt fills the preset's context, in eval's batches."""
+    model.eval()
+    seq_len = model.config.sequence_len
+    words = " ".join(f"w{i}" for i in range(4 * seq_len))
+    question = tokenizer.decode(tokenizer.encode(words)[:seq_len - 32])  # room for the choices and the answer
+    items = [{"question": question, "choices": ["1", "2", "3", "4"], "answer": i % 4, "subject": "check"}
+             for i in range(2 * evaluation.PRESETS[args.preset]["batch_size"])]
+    result, seconds, peak = measure(device, lambda: quietly(evaluation.evaluate_multiple_choice, model, tokenizer,
+                                                            items, "letter", 0,
+                                                            evaluation.PRESETS[args.preset]["batch_size"])[0])
+    model.train()
+    return dict(check="eval", shape=f"{result['count']} items x 4 choices, ~{seq_len} tokens each",
+                speed=f"{result['count'] / seconds:,.1f} items/s", seconds=seconds, peak=peak, plan=None)
 
 
 def check_engine(args, device, model, tokenizer):
@@ -194,45 +263,71 @@ def check_engine(args, device, model, tokenizer):
     kv_dtype = str(cache.keys[0].dtype).replace("torch.", "")
     ok = cache.keys[0].dtype == cache.values[0].dtype
     model.train()
+    need = common.HARDWARE[args.preset]["decode_tokens_per_s"] if pretrain.peak_flops(device) else None
     return dict(check="engine", shape=f"{args.engine_rows} rows x {args.engine_tokens} tokens, KV {kv_dtype}",
                 speed=f"{generated / seconds:,.0f} tok/s", seconds=seconds, peak=peak, plan=None,
+                rate=generated / seconds, need=need,
                 error=None if ok else f"keys {cache.keys[0].dtype} but values {cache.values[0].dtype}")
 
 
 def check_rl(args, device, ckpt, home):
-    """rl.main for one step of the preset at --rl-prompts prompts; rollout and learner seconds from its step line."""
+    """rl.main for one step with the preset's settings at --rl-prompts prompts per rank; rollout and learner seconds
+    from its step line."""
+    world_size = common.get_dist_info()[3]
     argv = ["--preset", args.preset, "--ckpt", str(ckpt), "--out", str(home / "rl"), "--num-steps", "1",
-            "--prompts-per-step", str(args.rl_prompts), "--no-filter-zero-contrast", "--eval-every", "1000",
-            "--eval-problems", "2", "--eval-samples", "1", "--save-every", "0", "--device", device.type]
+            "--prompts-per-step", str(args.rl_prompts * world_size), "--eval-every", "1000", "--eval-problems", "2",
+            "--eval-samples", "1", "--save-every", "0", "--device", device.type]
     if args.rl_max_tokens:
         argv += ["--max-tokens", str(args.rl_max_tokens)]
     (_, out), seconds, peak = measure(device, lambda: quietly(rl.main, argv))
     timing = re.search(r"rollout ([\d.]+)s ([\d,]+) tok/s, learn ([\d.]+)s", out)
-    if timing is None:
+    if timing is None and common.get_dist_info()[1] == 0:
         raise RuntimeError(f"rl.py printed no step line:\n{out[-2000:]}")
-    rollout, rate, learn = timing.groups()
+    rollout, rate, learn = timing.groups() if timing else ("?", "?", "?")
     group = rl.PRESETS[args.preset]["group_size"]
-    return dict(check="rl", shape=f"1 step, {args.rl_prompts} prompts x {group}",
+    return dict(check="rl", shape=f"1 step, {args.rl_prompts} prompts x {group} per rank",
                 speed=f"rollout {rollout}s ({rate} tok/s), learner {learn}s", seconds=seconds, peak=peak, plan=None)
 
 
+def verdict(row, gpu_bytes):
+    """ "ok", or "FAIL: why" for a check's row: an error, a peak over the GPU's memory or over its plan + 10%, or a
+    throughput below half of what the plan assumes."""
+    if row.get("error"):
+        return f"FAIL: {row['error']}"
+    if gpu_bytes and row.get("peak") is not None and row["peak"] * GIB > gpu_bytes:
+        return "FAIL: over memory"
+    if row.get("plan") is not None and row.get("peak") is not None and row["peak"] > 1.1 * row["plan"]:
+        return f"FAIL: peak {row['peak']:.1f} GiB > plan {row['plan']:.1f} GiB + 10%"
+    if row.get("need") and row["rate"] < 0.5 * row["need"]:
+        return f"FAIL: {row['rate']:,.0f} tok/s < half of the plan's {row['need']:,.0f}"
+    return "ok"
+
+
 def print_table(rows, gpu_bytes):
-    print(f"\n{'check':<9}{'shape':<40}{'throughput':<42}{'seconds':>8}{'peak GiB':>10}{'plan GiB':>10}  status")
+    print(f"\n{'check':<9}{'shape':<40}{'throughput':<42}{'need':>10}{'seconds':>8}{'peak GiB':>10}{'plan GiB':>10}"
+          "  status")
     for row in rows:
         peak = f"{row['peak']:.1f}" if row.get("peak") is not None else "-"
         plan = f"{row['plan']:.1f}" if row.get("plan") is not None else "-"
-        print(f"{row['check']:<9}{row.get('shape', ''):<40}{row.get('speed', ''):<42}{row.get('seconds', 0):8.1f}"
-              f"{peak:>10}{plan:>10}  {row['status']}")
+        need = f"{row['need']:,.0f}" if row.get("need") else "-"
+        print(f"{row['check']:<9}{row.get('shape', ''):<40}{row.get('speed', ''):<42}{need:>10}"
+              f"{row.get('seconds', 0):8.1f}{peak:>10}{plan:>10}  {row['status']}")
     if gpu_bytes:
         print(f"(GPU memory {gpu_bytes / GIB:.1f} GiB)")
 
 
+CHECKS = ("pretrain", "sft", "dpo", "rm", "eval", "engine", "rl")
+
+
 def main(argv=None):
     args = parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # One process group for every check: the stages' own compute_init/compute_cleanup join it and leave it standing.
+    is_ddp, rank, _, world_size, device = common.compute_init(device)
     gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"gpu_check: {args.preset} preset on {name}" + (f" ({gpu_bytes / GIB:.1f} GiB)" if gpu_bytes else ""))
+    common.print0(f"gpu_check: {args.preset} preset on {world_size} x {name}"
+                  + (f" ({gpu_bytes / GIB:.1f} GiB)" if gpu_bytes else ""))
     rows = []
 
     def run(check, fn, *fn_args):
@@ -243,34 +338,56 @@ def main(argv=None):
             traceback.print_exc()
             rows.append(dict(check=check, status=f"FAIL: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
             return None
-        over = gpu_bytes and row["peak"] is not None and row["peak"] * GIB > gpu_bytes
-        row["status"] = f"FAIL: {row['error']}" if row.get("error") else "FAIL: over memory" if over else "ok"
+        row["status"] = verdict(row, gpu_bytes)
         rows.append(row)
         return row
 
-    with tempfile.TemporaryDirectory(prefix="gpu_check.") as tmp:
-        home = Path(tmp) / "home"
-        os.environ["NANOPOST_HOME"], os.environ["NANOPOST_DATA_DIR"] = str(home), str(Path(tmp) / "data")
-        tasks.write_stand_in_data(os.environ["NANOPOST_DATA_DIR"], documents=20_000)
-        texts = tasks.first_chars(tasks.fineweb_texts("train"), 5_000_000)
-        Tokenizer.train(texts, args.vocab_size).save(home / "tokenizer")
+    folder = [tempfile.mkdtemp(prefix="gpu_check.") if rank == 0 else None]  # rank 0's, shared by every rank
+    if is_ddp:
+        torch.distributed.broadcast_object_list(folder)
+    tmp = Path(folder[0])
+    try:
+        home = tmp / "home"
+        os.environ["NANOPOST_HOME"], os.environ["NANOPOST_DATA_DIR"] = str(home), str(tmp / "data")
+        if rank == 0:
+            tasks.write_stand_in_data(os.environ["NANOPOST_DATA_DIR"], documents=20_000)
+            texts = tasks.first_chars(tasks.fineweb_texts("train"), 5_000_000)
+            Tokenizer.train(texts, args.vocab_size).save(home / "tokenizer")
+        if is_ddp:
+            torch.distributed.barrier()
         data_files = sorted(Path(os.environ["NANOPOST_DATA_DIR"]).rglob("*.parquet"))
         data_files = [f for f in data_files if "fineweb" in str(f)]
         result = run("pretrain", check_pretrain, args, device, gpu_bytes, data_files)
         if result is not None:
-            model, tokenizer, _ = load_model(home / "checkpoints" / "base", device)
+            base = home / "checkpoints" / "base"
+            model, tokenizer, _ = load_model(base, device)
             model.train()
             run("sft", check_sft, args, device, model, tokenizer)
             run("dpo", check_dpo, args, device, model, tokenizer)
+            run("eval", check_eval, args, device, model, tokenizer)
             run("engine", check_engine, args, device, model, tokenizer)
             del model
-            run("rl", check_rl, args, device, home / "checkpoints" / "base", home)
-    print_table(rows, gpu_bytes)
-    failed = [row["check"] for row in rows if row["status"] != "ok"]
-    if failed or len(rows) < 5:
-        print(f"gpu_check: FAILED ({', '.join(failed) or 'checks skipped after the pretraining failure'})")
+            run("rm", check_rm, args, device, base)
+            run("rl", check_rl, args, device, base, home)
+        done = {row["check"]: row["status"] for row in rows}
+        mine = [check for check in CHECKS if done.get(check) != "ok"]  # failed, or skipped after a failure
+        verdicts = [mine]
+        if is_ddp:  # every rank's, so that all ranks exit alike
+            verdicts = [None] * world_size
+            torch.distributed.all_gather_object(verdicts, mine)
+    finally:
+        if is_ddp:
+            torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if rank == 0:
+        print_table(rows, gpu_bytes)
+    failed = sorted({check for checks in verdicts for check in checks})
+    common.compute_cleanup()
+    if failed:
+        common.print0(f"gpu_check: FAILED ({', '.join(failed)})")
         sys.exit(1)
-    print("gpu_check: every check passed")
+    common.print0("gpu_check: every check passed")
 
 
 if __name__ == "__main__":

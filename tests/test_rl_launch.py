@@ -1,7 +1,7 @@
 """
 The launch shapes users have besides the speedrun's chain, on the rehearsal's checkpoints (conftest.rehearsal) with
 its sizes (NANOPOST_REHEARSAL=1), each under torchrun with 2 gloo ranks: the RLHF path (rm.py, then rl.py --reward
-rm), the PPO/GAE path, --async, --ptgs, --difficulty-filter, a task mixture; merge.py on two rehearsal checkpoints
+rm), the PPO/GAE path, --async, --ptgs, --difficulty-filter, a task mixture, --eval-every 0; merge.py on two rehearsal checkpoints
 and serve.py on the result; a 2-node run on localhost (two torchrun agents, c10d rendezvous) of pretraining, SFT, RL
 and evaluation; pretraining at world size 4 with fewer validation row groups than ranks.
 
@@ -41,8 +41,6 @@ RL_LAUNCHES = {
                            "gradient all-reduce spreads the NaN to every rank"),
     "async": (["rl.py", "--async"], None),
     "ptgs": (["rl.py", "--ptgs"], None),
-    # Success strictly inside (LOW, HIGH): the rehearsal's model solves nothing, so the band has to hold 0.
-    "difficulty-filter": (["rl.py", "--difficulty-filter", "-0.01", "1", "--difficulty-samples", "2"], None),
     "mixture": (["rl.py", "--task", "gsm8k:1,synthetic:1"], None),
 }
 
@@ -96,6 +94,18 @@ def test_rlhf_path_reward_model_then_rl_from_it(chain, tmp_path):
     result = torchrun(env, "rl.py", *rl_flags(ckpts, tmp_path / "rlhf"), "--reward", "rm", "--rm-ckpt",
                       str(tmp_path / "rm"), "--task", "ultrafeedback")
     assert_healthy(result)
+
+
+def test_difficulty_filter_samples_on_both_ranks_and_refuses_an_empty_band(chain, tmp_path):
+    """The rehearsal's model solves nothing, so no prompt is strictly inside (0, 1): both ranks sample their share of
+    the prompts, agree on the count, and stop with one line each (the keep rule itself: tests/test_rl_systems.py)."""
+    ckpts, env = chain
+    result = torchrun(env, "rl.py", *rl_flags(ckpts, tmp_path / "out"), "--difficulty-filter", "0", "1",
+                      "--difficulty-samples", "2")
+    assert result.returncode != 0
+    assert "difficulty filter: 32/32 on rank 0" in result.stdout
+    refusal = "rl.py: error: the difficulty filter kept 0 prompts, fewer than --prompts-per-step 4"
+    assert result.stderr.count(refusal) == 2
 
 
 @pytest.mark.xfail(strict=True, reason="rl.py --eval-every 0 ends in ZeroDivisionError after the first step")
