@@ -17,6 +17,12 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
+import dpo
+import eval as evaluation
+import pretrain
+import rm
+import sft
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for p in [*ROOT.glob("*.py"), *ROOT.glob("bench/*.py")]
                  if 'if __name__ == "__main__":' in p.read_text() and "ArgumentParser(" in p.read_text())
@@ -93,3 +99,20 @@ def test_speedrun_launch_line_reaches_the_stage(tmp_path):
     for script in ("pretrain.py", "sft.py", "dpo.py", "rl.py", "eval.py"):
         parsed = get_args_parser().parse_args(launcher[1:] + [script] + flags)
         assert parsed.training_script == script and parsed.training_script_args == flags
+
+
+# -----------------------------------------------------------------------------
+# Numeric flags are checked before any work: an interval of 0 never reaches a `step % every`.
+
+
+@pytest.mark.parametrize("entry, flag, value, need", [
+    (pretrain.parse_args, "--log-every", "0", "> 0"), (pretrain.parse_args, "--eval-every", "-1", ">= 0"),
+    (pretrain.parse_args, "--total-batch-size", "0", "> 0"), (sft.main, "--eval-every", "0", "> 0"),
+    (sft.main, "--batch-size", "0", "> 0"), (sft.main, "--save-every", "-2", ">= 0"),
+    (dpo.main, "--eval-every", "0", "> 0"), (dpo.main, "--epochs", "0", "> 0"), (rm.main, "--eval-every", "0", "> 0"),
+    (rm.main, "--device-batch-size", "0", "> 0"), (evaluation.main, "--max-problems", "0", "> 0"),
+    (evaluation.main, "--batch-size", "0", "> 0")])
+def test_numeric_flags_are_refused_up_front(entry, flag, value, need, monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))  # empty: any stage that got past its flags would stop later
+    with pytest.raises(ValueError, match=f"^{flag} must be {need}, got {value}$"):
+        entry([flag, value])
