@@ -201,10 +201,12 @@ def test_two_nodes_pretrain_sft_rl_eval(chain, tmp_path):
 
 
 def test_pretraining_at_world_size_4_with_3_validation_row_groups(chain, tmp_path):
-    """Row groups of 4,000 documents: validation (the first 10,000) spans 3 of them, fewer than the 4 ranks."""
+    """Row groups of 4,000 documents: validation (the first 10,000) spans 3 of them, fewer than the 4 ranks; the
+    7 row groups of 28,000 documents give every rank some training text (rank r reads row groups r, r + 4)."""
     _, env = chain
     fineweb = Path(env["NANOPOST_DATA_DIR"]) / "HuggingFaceFW/fineweb-edu/sample/10BT"
     texts = [t for f in sorted(fineweb.glob("*.parquet")) for t in pq.read_table(f)["text"].to_pylist()]
+    texts = (texts * 3)[:28_000]
     data = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"text": texts}), data, row_group_size=4000)
     result = torchrun(env, "pretrain.py", "--preset", "small", "--data-files", str(data), "--out",
