@@ -52,6 +52,11 @@ def autodetect_device():
     return "cpu"
 
 
+# compute_init calls not yet matched by a compute_cleanup: a driver that runs stages in its own process group
+# (bench/gpu_check.py under torchrun) keeps it across them, since a destroyed group cannot be created again.
+_users = [0]
+
+
 def compute_init(device=None, seed=0):
     """
     Pick the device, join the process group if launched by torchrun, seed every RNG.
@@ -80,13 +85,9 @@ def compute_init(device=None, seed=0):
     return is_ddp, rank, local_rank, world_size, device
 
 
-# compute_init calls not yet matched by a compute_cleanup: a driver that runs stages in its own process group
-# (bench/gpu_check.py under torchrun) keeps it across them, since a destroyed group cannot be created again.
-_users = [0]
-
-
 def compute_cleanup():
-    """Wait for every rank; the last compute_init's user out destroys the process group."""
+    """Wait for every rank; the call matching the first compute_init destroys the process group (stages run inside a
+    driver's group leave it standing)."""
     if dist.is_initialized():
         dist.barrier()
         _users[0] -= 1

@@ -132,10 +132,10 @@ run_chain() {
 
 if [ "${1:-}" = "--rehearse" ]; then
   # The small and full presets' own path (run_chain above, launched with torchrun) on CPU: 2 gloo processes,
-  # stand-in hub data in the hub's layout, prepared offline. NANOPOST_REHEARSAL=1 makes every stage replace its
+  # stand-in hub data (tasks.write_stand_in_data), prepared offline. NANOPOST_REHEARSAL=1 makes every stage replace its
   # preset's sizes (common.REHEARSAL: depth, context, steps, problems) and print so; nothing else changes. It fails
   # on a non-zero exit, a launch still running after REHEARSAL_TIMEOUT seconds (default 600), a non-finite loss or
-  # weight, ranks whose weights differ at a checkpoint (common.check_ranks_agree) and a report card missing a stage.
+  # weight, ranks whose weights differ at a stage's end (common.check_ranks_agree), a report card missing a stage.
   # REHEARSAL_DIR=path keeps its files there (default: a temporary folder, removed at the end).
   if [ -n "${REHEARSAL_DIR:-}" ]; then
     REH="$REHEARSAL_DIR"

@@ -41,7 +41,8 @@ def test_rehearse_replaces_only_the_listed_sizes(monkeypatch, capsys):
     common.rehearse(presets, "x.py")
     assert presets == {"small": {"depth": common.REHEARSAL["depth"], "lr_frac": 0.02,
                                  "num_steps": common.REHEARSAL["num_steps"]}}
-    assert "x.py: REHEARSAL (NANOPOST_REHEARSAL=1): preset sizes replaced: depth 2, num_steps 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "x.py: REHEARSAL (NANOPOST_REHEARSAL=1): preset sizes replaced: depth 2, num_steps 2" in out
     monkeypatch.setenv("NANOPOST_REHEARSAL", "yes")
     with pytest.raises(common.UserError, match="NANOPOST_REHEARSAL must be 0 or 1"):
         common.rehearse(presets, "x.py")
