@@ -12,7 +12,7 @@ import torch
 
 import common
 import dpo
-import eval
+import rollout
 import tasks
 from conftest import ends_turn_sometimes, make_model, make_tokenizer
 
@@ -114,7 +114,7 @@ def test_tiny_preset_default_path_self_generated_pairs_through_main(tokenizer, t
     assert sum(record["pairs_held_out"].get(k, 0) for k in ("paired", "too long", "all correct", "all incorrect")) == 16
 
     # Cross-check the counts against self_generated_pairs itself: same engine, same seed, same prompts.
-    pairs, stats = eval.self_generated_pairs(dpo.Engine(model.eval(), tokenizer), task, list(range(48)), 4, 10, 1.0,
+    pairs, stats = rollout.self_generated_pairs(dpo.Engine(model.eval(), tokenizer), task, list(range(48)), 4, 10, 1.0,
                                             seed=0)
     too_long = sum(max(len(c[0]), len(r[0])) > max_seq_len for c, r in pairs)
     assert (counts["paired"], counts["too long"]) == (stats["paired"] - too_long, too_long)

@@ -1,7 +1,8 @@
 """
-Issue 13, the RL systems pieces: decontamination (tasks.NgramIndex), task mixtures with per-source accounting, the
-difficulty filter's keep rule, and the PTGS temperature controller (its example numbers, its discount, its
-checkpoint state, and the learner scoring each group at the temperature that sampled it).
+rollout.py's prompt pipeline and rollout machinery: decontamination (tasks.NgramIndex, the one rule of every stage),
+task mixtures with per-source accounting, the difficulty filter's keep rule, the PTGS temperature controller (its
+example numbers, its discount, its checkpoint state, and the learner scoring each group at the temperature that
+sampled it) and the overlapped rollout worker.
 """
 
 import json
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import rl
+import rollout
 import tasks
 from engine import Engine
 from test_rl import Broken, LengthParity, checkpoint, model, one_thread, run_rl, tokenizer  # noqa: F401 (fixtures)
@@ -44,8 +46,8 @@ def test_planted_contamination_is_removed():
     # RL prompts: a training task with the test question planted among its problems
     task = tasks.SyntheticTask("train", size=20)
     task.problems[7] = {**task.problems[7], "question": GSM8K_LIKE}
-    mixture = rl.PromptMixture([("synthetic", task, 1.0)])
-    kept, dropped = rl.decontaminate_prompts(mixture, index)
+    mixture = tasks.PromptMixture([("synthetic", task, 1.0)])
+    kept, dropped = rollout.decontaminate_prompts(mixture, index)
     assert len(kept) == 19 and dropped == {"synthetic": 1}
     assert all(kept[k]["messages"][0]["content"] != GSM8K_LIKE for k in range(len(kept)))
 
@@ -77,27 +79,27 @@ def test_tiny_training_data_is_untouched_by_default():
 
 
 def test_parse_task_mixture():
-    assert rl.parse_task_mixture("synthetic") == [("synthetic", 1.0)]
-    assert rl.parse_task_mixture("synthetic:1, gsm8k:3") == [("synthetic", 1.0), ("gsm8k", 3.0)]
+    assert rollout.parse_task_mixture("synthetic") == [("synthetic", 1.0)]
+    assert rollout.parse_task_mixture("synthetic:1, gsm8k:3") == [("synthetic", 1.0), ("gsm8k", 3.0)]
     for bad in ("mmlu", "synthetic:0", "synthetic:x", "synthetic,synthetic"):
         with pytest.raises(ValueError, match="--task"):
-            rl.parse_task_mixture(bad)
+            rollout.parse_task_mixture(bad)
 
 
 def test_prompt_mixture_shares_and_single_source_identity():
     a, b = LengthParity("train", 64), LengthParity("test", 40)
-    mixture = rl.PromptMixture([("a", a, 1.0), ("b", b, 3.0)])
+    mixture = tasks.PromptMixture([("a", a, 1.0), ("b", b, 3.0)])
     assert mixture.counts() == {"a": 13, "b": 40}  # the largest total where no source repeats: b's 40 rows are 3/4
-    one = rl.PromptMixture([("a", a, 1.0)])
+    one = tasks.PromptMixture([("a", a, 1.0)])
     assert len(one) == 64 and all(one[k]["messages"] == a[k]["messages"] for k in range(64))
     assert one[5]["task_id"] == "a/5" and one.reward(one[5], "xx") == a.reward(a[5], "xx")
 
 
 def test_per_source_counts_on_a_two_source_mixture(monkeypatch, tmp_path, checkpoint, capsys):  # noqa: F811
-    # the second source's verifier always fails: its groups are dispatched and completed but never kept
+    # the second source's verifier always fails: its groups are dispatched but never kept
     tasks_by_name = {"synthetic": LengthParity, "gsm8k": Broken}
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(rl, "load_task", lambda name, split, size: tasks_by_name[name](split, size=64))
+    monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: tasks_by_name[name](split, size=64))
     rl.main(["--preset", "tiny", "--device", "cpu", "--ckpt", str(checkpoint), "--out", str(tmp_path / "rl"),
              "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8", "--eval-problems", "8",
              "--eval-samples", "2", "--num-steps", "2", "--eval-every", "2", "--task", "synthetic:1,gsm8k:1"])
@@ -106,8 +108,6 @@ def test_per_source_counts_on_a_two_source_mixture(monkeypatch, tmp_path, checkp
     record = json.loads((tmp_path / "home" / "report.jsonl").read_text().splitlines()[-1])
     s = record["sources"]
     assert s["synthetic/groups_dispatched"] > 0 and s["gsm8k/groups_dispatched"] > 0
-    for name in ("synthetic", "gsm8k"):
-        assert s[f"{name}/groups_completed"] == s[f"{name}/groups_dispatched"]
     assert s["gsm8k/groups_kept"] == s["gsm8k/valid_tokens"] == s["gsm8k/loss_mass"] == 0
     assert 0 < s["synthetic/groups_kept"] <= 2 * 4 and s["synthetic/valid_tokens"] > 0 and s["synthetic/loss_mass"] > 0
     assert "gsm8k dispatched" in text and "loss share 0.00" in text and "loss share 1.00" in text
@@ -118,8 +118,8 @@ def test_account_kept_groups_counts_tokens_and_mass_per_source(model, tokenizer)
     prompts = [tokenizer.render_for_completion(LengthParity()[i]) for i in range(2)]
     results = engine.generate(prompts, num_samples=2, max_tokens=6, seed=0)
     groups = [{"prompt": p, "completions": c, "rewards": r} for p, c, r in zip(prompts, results, ([0.0, 1.0], [1.0, 1.0]))]
-    tally = rl.source_tally(["x", "y"])
-    rl.account_kept_groups(tally, groups, ["x", "y"], 2, "std", "mean", mask_truncated=False)
+    tally = rollout.source_tally(["x", "y"])
+    rollout.account_kept_groups(tally, groups, ["x", "y"], 2, "std", "mean", mask_truncated=False)
     assert tally["source/x/valid_tokens"] == sum(len(c.tokens) for c in results[0])
     assert tally["source/y/valid_tokens"] == sum(len(c.tokens) for c in results[1])
     assert tally["source/y/loss_mass"] == 0  # no contrast, no advantage, no weight in the loss
@@ -133,11 +133,11 @@ def test_account_kept_groups_counts_tokens_and_mass_per_source(model, tokenizer)
 def test_difficulty_keep_rule_on_hand_made_counts():
     counts = [0, 1, 2, 8, 14, 15, 16]
     # n = 16, (0.1, 0.9): 1.6 < c < 14.4, i.e. 2 to 14 successes
-    assert rl.difficulty_keep(counts, 16, 0.1, 0.9) == [False, False, True, True, True, False, False]
+    assert rollout.difficulty_keep(counts, 16, 0.1, 0.9) == [False, False, True, True, True, False, False]
     # the bounds are strict: 4 of 8 is not inside (0.5, 1)
-    assert rl.difficulty_keep([4, 5, 8], 8, 0.5, 1.0) == [False, True, False]
+    assert rollout.difficulty_keep([4, 5, 8], 8, 0.5, 1.0) == [False, True, False]
     with pytest.raises(ValueError, match="LOW < HIGH"):
-        rl.difficulty_keep(counts, 16, 0.9, 0.1)
+        rollout.difficulty_keep(counts, 16, 0.9, 0.1)
 
 
 def test_difficulty_filter_runs_prints_and_caches(monkeypatch, tmp_path, checkpoint, capsys):  # noqa: F811
@@ -158,26 +158,26 @@ def test_difficulty_filter_runs_prints_and_caches(monkeypatch, tmp_path, checkpo
 
 
 def test_ptgs_example_temperatures():
-    controller = rl.TemperatureController(target=0.5, tau=1.5, t_ref=1.0)
+    controller = rollout.TemperatureController(target=0.5, tau=1.5, t_ref=1.0)
     got = [controller.temperature(p) for p in (0.1, 0.5, 0.9)]
     assert got == pytest.approx([1.5 ** 0.8, 1.0, 1.5 ** -0.8])
     assert [round(t, 2) for t in got] == [1.38, 1.00, 0.72]
     # an asymmetric target: the ends still map to T_ref * tau and T_ref / tau
-    skewed = rl.TemperatureController(target=0.8, tau=2.0, t_ref=0.7)
+    skewed = rollout.TemperatureController(target=0.8, tau=2.0, t_ref=0.7)
     assert [skewed.temperature(p) for p in (0.0, 0.8, 1.0)] == pytest.approx([1.4, 0.7, 0.35])
 
 
 def test_ptgs_discount_and_posterior():
-    controller = rl.TemperatureController(gamma=0.5, seed=0)
+    controller = rollout.TemperatureController(gamma=0.5, seed=0)
     controller.update("t", 3, 1)
     controller.update("t", 0, 4)
     assert controller.counts["t"] == [0.5 * 3 + 0, 0.5 * 1 + 4]
-    gamma1 = rl.TemperatureController(gamma=1.0)
+    gamma1 = rollout.TemperatureController(gamma=1.0)
     gamma1.update("t", 3, 1)
     gamma1.update("t", 0, 4)
     assert gamma1.counts["t"] == [3, 5]
     # a task it always solves is sampled colder than the pivot, one it never solves hotter
-    easy, hard = rl.TemperatureController(seed=1), rl.TemperatureController(seed=1)
+    easy, hard = rollout.TemperatureController(seed=1), rollout.TemperatureController(seed=1)
     for _ in range(10):
         easy.update("t", 8, 0)
         hard.update("t", 0, 8)
@@ -185,12 +185,12 @@ def test_ptgs_discount_and_posterior():
 
 
 def test_ptgs_state_survives_a_checkpoint(tmp_path):
-    controller = rl.TemperatureController(seed=3)
+    controller = rollout.TemperatureController(seed=3)
     for i in range(5):
         controller.update(f"t{i % 2}", i, 5 - i)
         controller.draw(f"t{i % 2}")
     torch.save({"ptgs": controller.state_dict()}, tmp_path / "extra.pt")
-    restored = rl.TemperatureController(seed=99)
+    restored = rollout.TemperatureController(seed=99)
     restored.load_state_dict(torch.load(tmp_path / "extra.pt", weights_only=True)["ptgs"])
     assert restored.counts == controller.counts
     assert [restored.draw("t0") for _ in range(5)] == [controller.draw("t0") for _ in range(5)]
@@ -200,20 +200,20 @@ def test_ptgs_groups_are_scored_at_their_own_temperature(model, tokenizer):  # n
     engine = Engine(model, tokenizer)
     sampling = dict(temperature=1.0, top_k=None, top_p=None)
     temperature_of = {p: t for p, t in zip(range(4), (0.7, 1.3, 0.7, 1.0))}
-    task = rl.PromptMixture([("p", LengthParity(), 1.0)])
-    groups, _ = rl.sample_groups(engine, task, 4, 3, 8, sampling, seed=0, filter_zero_contrast=False,
+    task = tasks.PromptMixture([("p", LengthParity(), 1.0)])
+    groups, _ = rollout.sample_groups(engine, task, 4, 3, 8, sampling, seed=0, filter_zero_contrast=False,
                                  temperature_of=lambda c: temperature_of[int(c["task_id"].split("/")[1]) % 4])
     temps = [g["temperature"] for g in groups]
     assert len(groups) == 4 and set(temps) <= {0.7, 1.3, 1.0} and len(set(temps)) > 1
-    rows = rl.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
+    rows = rollout.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
     rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in groups for _ in g["completions"]))]
-    batch = rl.collate_rollouts(rows, pad_id=0, device="cpu")
+    batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     with torch.no_grad():
-        logp, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"],
+        logp, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"],
                                     {**sampling, "temperature": batch["temperature"]})
         assert ((logp - batch["behavior"]).abs() * batch["mask"]).max() < 1e-4
         # one temperature for the whole batch is visibly wrong: the check can fail
-        flat, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], sampling)
+        flat, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], sampling)
         assert ((flat - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
 
 
@@ -248,25 +248,25 @@ def test_async_with_zero_delay_reproduces_synchronous_training(monkeypatch, tmp_
 
 def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp_path, checkpoint, model, capsys):  # noqa: F811
     # The worker on its own: the batch of a job carries the version it was sent and that version's log-probs.
-    task = rl.PromptMixture([("p", LengthParity(), 1.0)])
+    task = tasks.PromptMixture([("p", LengthParity(), 1.0)])
     kwargs = dict(num_groups=2, group_size=3, max_tokens=6, sampling=dict(temperature=1.0, top_k=None, top_p=None),
                   filter_zero_contrast=False)
     newer = rl.load_model(checkpoint, "cpu")[0]
     with torch.no_grad():
         for p in newer.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    worker = rl.RolloutWorker(checkpoint, "cpu", task, kwargs)
+    worker = rollout.RolloutWorker(checkpoint, "cpu", task, kwargs)
     try:
         worker.submit(5, 4, model, seed=0)  # step 5's groups with the weights after 4 updates
         step, version, groups, _, records, seconds = worker.result()
     finally:
         worker.close()
     assert (step, version) == (5, 4) and all(g["version"] == 4 for g in groups) and len(records) == 2
-    rows = rl.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
-    batch = rl.collate_rollouts(rows, pad_id=0, device="cpu")
+    rows = rollout.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
+    batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     with torch.no_grad():
-        sampler, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], kwargs["sampling"])
-        learner, _ = rl.token_logprobs(newer, batch["inputs"], batch["targets"], kwargs["sampling"])
+        sampler, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], kwargs["sampling"])
+        learner, _ = rollout.token_logprobs(newer, batch["inputs"], batch["targets"], kwargs["sampling"])
     assert ((sampler - batch["behavior"]).abs() * batch["mask"]).max() < 1e-4  # the behavior log-probs: the sampler's
     assert ((learner - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
     # The loop: step 1 is sampled by the start weights (age 0), every later step by the weights one update older.
