@@ -55,10 +55,10 @@ from the tiny DPO checkpoint, same seed, one sitting; pass@1 / pass@8 on 128 hel
                          count groups dispatched and kept, valid tokens and the share of the loss mass
                          (sum of |A| over its valid tokens), so an easy or fast source cannot silently take the batch.
     --decontaminate      drop training prompts that share a 13-gram of normalised words with an evaluation set in use
-                         (tasks.decontamination_index; counted per source in the log and the report). On for full (hub data); off
-                         for tiny, whose synthetic family is split by a hash of the question: there 13-grams of the
-                         templated stories flag 66 of the 5000 training prompts, different problems that share 13
-                         words with a test story (another starting number).
+                         (tasks.decontamination_index; counted per source in the log and the report). On for full
+                         (hub data); off for tiny, whose synthetic family is split by a hash of the question: there
+                         13-grams of the templated stories flag 66 of the 5000 training prompts, different problems
+                         that share 13 words with a test story (another starting number).
     --difficulty-filter  before RL, n samples of each training prompt with the start checkpoint; keep the prompts
                          whose success rate is strictly inside (LOW, HIGH): always- and never-solved prompts only make
                          zero-contrast groups. Cached in the checkpoint's folder. Tiny (512 prompts, 8 samples,
@@ -86,22 +86,22 @@ from pathlib import Path
 
 import torch
 
-from common import (FINISHED, HARDWARE, Logger, add_stage_flags, append_report, autocast_ctx, batch_tokens_for_device,
+from common import (FINISHED, HARDWARE, Logger, add_stage_flags, append_report, batch_tokens_for_device,
                     checkpoint_dir, compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, kv_cache_bytes,
                     load_checkpoint, model_size, preempted, print0, print_plan, resume_or_finish, run_cli,
                     save_checkpoint, stage_plan, synchronize)
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
-from rollout import (AGGREGATIONS, KL_KINDS, LOSS_DEFAULTS, LOSS_KINDS, PRESETS, Rollouts,  # noqa: F401 (the
-                     add_flags, add_loss_stats, aggregate, all_reduce_gradients, batch_counts, difficulty_prompts,
-                     evaluate_held_out, finish_args, group_advantages, kl_penalty, learner_batches, learner_tally,
-                     load_reward_model, mismatch_weights, normalize_scores, overlong_penalty, policy_loss,
-                     prepare_prompts, print_step, reduce_tally, reference_sampling, report_record, row_sampling,
-                     score_old, step_metrics, token_logprobs)
-
-# The objective this stage trains (rollout.py holds it, shared with ppo.py): group_advantages (GRPO / Dr. GRPO /
-# RLOO), overlong_penalty (DAPO), policy_loss (pg / ppo / gspo / cispo, aggregated by aggregate), kl_penalty (k1 /
-# k2 / k3) and mismatch_weights (TIS / masking of the engine/trainer gap); normalize_scores for --reward rm.
+from rollout import (PRESETS, Rollouts, add_flags, add_loss_stats, aggregate, all_reduce_gradients, batch_counts,
+                     difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches, learner_tally,
+                     load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally, reference_sampling,
+                     report_record, row_sampling, score_old, step_metrics, token_logprobs)
+# The objective this stage trains lives in rollout.py, shared with ppo.py (a stage never imports another stage), and
+# is named here as part of rl.py's interface: group_advantages (GRPO / Dr. GRPO / RLOO, applied by
+# rollout.learner_rows), overlong_penalty (DAPO), policy_loss (pg / ppo / gspo / cispo, reduced by aggregate),
+# kl_penalty (k1 / k2 / k3), mismatch_weights (TIS / masking of the engine/trainer gap), normalize_scores (--reward rm).
+from rollout import (AGGREGATIONS, KL_KINDS, LOSS_DEFAULTS, LOSS_KINDS, group_advantages,  # noqa: F401
+                     mismatch_weights, normalize_scores, overlong_penalty)
 
 PLAN_PROMPT_TOKENS = 256  # a GSM8K prompt, rendered, is at most ~250 tokens: for the budget (plan)
 

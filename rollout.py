@@ -3,8 +3,8 @@ Rollouts for the RL stages (a library, like eval.py): sample groups of answers a
 feeds the learner from there. Used by rl.py (GRPO family), ppo.py (PPO with a critic) and by dpo.py / rm.py for
 their self-generated preference pairs.
 
-    prompts     the --task mixture (PromptMixture, per-source accounting), decontamination (tasks.decontamination_index),
-                the difficulty filter; one entry point: prepare_prompts(args, engine, ckpt, resume, sampling)
+    prompts     the --task mixture (tasks.PromptMixture, per-source accounting), decontamination
+                (tasks.decontamination_index), the difficulty filter; one entry point: prepare_prompts(args, engine, ckpt, resume, sampling)
     sampling    sample_groups (one prefill per prompt, dynamic sampling), score_group (the verifier of every answer),
                 self_generated_pairs / preference_pairs (a right and a wrong answer of one prompt, for DPO and the
                 reward model), PTGS (TemperatureController), the overlapped RolloutWorker; one entry point:
@@ -31,7 +31,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import common
 from common import autocast_ctx, format_eta, get_dist_info, print0, resolve_checkpoint
 from engine import Engine, load_model, sampling_logprobs
 from eval import completion_text, evaluate_generative

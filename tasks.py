@@ -832,11 +832,11 @@ class TaskMixture:
 
 class PromptMixture:
     """
-    The RL stages' prompts of one or more tasks as one task (TaskMixture is the chat stages' rows): mixture[k] is a conversation with "source" (the task's name) and
-    "task_id" ('name/row', the recurring id PTGS keys on); reward() asks that source's verifier. Weights are
-    shares of the prompts: source s keeps the first floor(share_s * N) of its rows with N the largest total for
-    which no source repeats a row (so a step still never holds one prompt twice). One source keeps every row in
-    its own order: position k is row k, as with the task itself.
+    The RL stages' prompts of one or more tasks as one task (TaskMixture is the chat stages' rows): mixture[k] is a
+    conversation with "source" (the task's name) and "task_id" ('name/row', the recurring id PTGS keys on); reward()
+    asks that source's verifier. Weights are shares of the prompts: source s keeps the first floor(share_s * N) of
+    its rows with N the largest total for which no source repeats a row (so a step still never holds one prompt
+    twice). One source keeps every row in its own order: position k is row k, as with the task itself.
     """
 
     def __init__(self, sources):

@@ -1,5 +1,6 @@
 """
-The layering of the modules, from their imports (parsed with ast, imports inside functions included), from the ground up:
+The layering of the modules from the ground up, read from their imports (parsed with ast, imports inside functions
+included):
 
     shared modules   common, model, tokenizer, tasks, engine   import only each other
     report           report.py                                  imports only shared modules

@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import model as model_module
 import rl
 import rollout
 from common import save_checkpoint
 from conftest import ends_turn_sometimes, scripted_model
-from engine import Engine, load_model, sampling_logprobs
+from engine import Engine, load_model
 from eval import completion_text
 from model import GPT, GPTConfig
 from tasks import SyntheticTask, synthetic_documents
@@ -301,121 +300,6 @@ class LengthParity:
 class Broken(LengthParity):
     def reward(self, conversation, completion):
         raise RuntimeError("verifier bug")
-
-
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=None, top_p=None),
-                                      dict(temperature=0.7, top_k=20, top_p=0.9)])
-def test_engine_logprobs_match_the_learner(model, tokenizer, sampling):
-    engine = Engine(model, tokenizer)
-    task = SyntheticTask("train", size=3)
-    prompts = [tokenizer.render_for_completion(task[i]) for i in range(3)]
-    results = engine.generate(prompts, num_samples=2, max_tokens=12, seed=0, **sampling)
-    groups = [{"prompt": p, "completions": c, "rewards": [0.0, 1.0]} for p, c in zip(prompts, results)]
-    rows = rollout.learner_rows(groups, 2, "std", "mean", mask_truncated=False)
-    batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
-    assert batch["mask"].sum() == sum(len(c.tokens) for r in results for c in r)  # every sampled token, nothing else
-    with torch.no_grad():
-        logp, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], sampling)
-        gap = ((logp - batch["behavior"]).abs() * batch["mask"]).max()
-        assert gap < 1e-4
-        # scoring at another temperature than the one that sampled is visibly wrong: the check can fail
-        other, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], {**sampling, "temperature": 1.5})
-        assert ((other - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
-    close(batch["advantages"], [-1, 1, -1, 1, -1, 1])
-
-
-def test_learner_logprobs_in_chunks_equal_whole_logits_in_value_and_gradient(model, monkeypatch):
-    # Broken once (chunked_logits scoring the chunks against targets shifted by one): the values differed.
-    monkeypatch.setattr(model_module, "LOGITS_CHUNK_TOKENS", 7)  # 3 x 10 positions in chunks of 7
-    sampling = dict(temperature=0.7, top_k=20, top_p=0.9)
-    torch.manual_seed(0)
-    x, y = torch.randint(0, 400, (3, 10)), torch.randint(0, 400, (3, 10))
-    y[0, :4] = -1
-    weights = torch.rand(3, 10)
-    chunked, whole = GPT(model.config), GPT(model.config)
-    chunked.load_state_dict(model.state_dict())
-    whole.load_state_dict(model.state_dict())
-    logp, entropy = rollout.token_logprobs(chunked, x, y, sampling)
-    (logp * weights).sum().backward()
-    logprobs = sampling_logprobs(whole(x), **sampling)  # (3, 10, V): the whole logits
-    expected = logprobs.gather(-1, y.clamp(min=0)[..., None]).squeeze(-1).clamp(min=rollout.LOGP_FLOOR)
-    (expected * weights).sum().backward()
-    torch.testing.assert_close(logp, expected)
-    torch.testing.assert_close(entropy, torch.special.entr(logprobs.detach().exp()).sum(-1))
-    for (name, p), q in zip(whole.named_parameters(), chunked.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, msg=name)
-
-
-def test_mask_truncated_removes_completions_that_hit_the_budget(model, tokenizer):
-    engine = Engine(model, tokenizer)
-    prompt = tokenizer.render_for_completion(SyntheticTask("train", size=1)[0])
-    (completions,) = engine.generate([prompt], num_samples=6, max_tokens=3, seed=0)
-    assert {c.finish for c in completions} == {"stop", "length"}  # some stop within 3 tokens, some do not
-    group = [{"prompt": prompt, "completions": completions, "rewards": [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]}]
-    masked = rollout.learner_rows(group, 6, "std", "mean", mask_truncated=True)
-    kept = rollout.learner_rows(group, 6, "std", "mean", mask_truncated=False)
-    assert [sum(m) for _, m, _, _ in masked] == [len(c.tokens) * (c.finish == "stop") for c in completions]
-    assert [sum(m) for _, m, _, _ in kept] == [len(c.tokens) for c in completions]
-
-
-def test_dynamic_sampling_never_returns_zero_contrast_groups(model, tokenizer):
-    engine = Engine(model, tokenizer)
-    sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    groups, stats = rollout.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=1, max_rounds=6)
-    assert len(groups) == 6
-    assert all(len(set(g["rewards"])) > 1 for g in groups)
-    assert stats["zero_contrast"] > 0  # some were drawn and dropped, and the logs count them
-    assert stats["groups"] == 6 * stats["rounds"] and stats["completions"] == 4 * stats["groups"]
-    # without the filter the even-answer groups come through
-    unfiltered, _ = rollout.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=1, filter_zero_contrast=False)
-    assert any(len(set(g["rewards"])) == 1 for g in unfiltered)
-
-
-def test_dynamic_sampling_gives_up_after_the_cap_and_counts_verifier_errors(model, tokenizer):
-    engine = Engine(model, tokenizer)
-    sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    groups, stats = rollout.sample_groups(engine, Broken(), 2, 3, 4, sampling, seed=0, max_rounds=3)
-    assert groups == []  # every reward is 0: nothing to learn from, and no infinite loop
-    assert stats["rounds"] == 3 and stats["completions"] == 3 * 2 * 3
-    assert stats["errors"] == stats["completions"] - stats["truncated"] > 0  # an answer that did not stop is not scored
-    assert stats["reward_sum"] == stats["correct"] == 0
-
-
-def test_one_generate_call_per_round_oversampled(model, tokenizer, monkeypatch):
-    engine = Engine(model, tokenizer)
-    calls = []
-    generate = engine.generate
-    monkeypatch.setattr(engine, "generate", lambda prompts, **kwargs: calls.append(len(prompts)) or
-                        generate(prompts, **kwargs))
-    sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    groups, stats = rollout.sample_groups(engine, LengthParity(), 3, 4, 8, sampling, seed=1, max_rounds=6, oversample=2.5)
-    assert calls == [8] * stats["rounds"]  # ceil(2.5 * 3) prompts, all in one call per round
-    assert len(groups) == 3 and all(len(set(g["rewards"])) > 1 for g in groups)
-    assert stats["groups"] == 8 * stats["rounds"]
-    with pytest.raises(ValueError, match="oversample"):
-        rollout.sample_groups(engine, LengthParity(), 3, 4, 8, sampling, seed=1, oversample=0.5)
-
-
-def test_learner_logprobs_detached_are_exactly_the_old_logprobs(model, tokenizer):
-    # What skipping the no-grad old-log-prob pass (--epochs 1 --minibatches 1) relies on: before any update, the
-    # learner pass's log-probs, detached, equal that pass bit for bit, so the loss and its gradient are the same.
-    engine = Engine(model, tokenizer)
-    sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    groups, _ = rollout.sample_groups(engine, LengthParity(), 2, 4, 8, sampling, seed=3, filter_zero_contrast=False)
-    rows = rollout.learner_rows(groups, 4, "std", "mean", False)
-    micro = rollout.collate_rollouts(rows, tokenizer.bos_id, "cpu")
-    with torch.no_grad():
-        old, _ = rollout.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
-    results = []
-    for detached in (False, True):
-        model.zero_grad(set_to_none=True)
-        logp, _ = rollout.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
-        loss, _ = rl.policy_loss(logp, logp.detach() if detached else old, micro["advantages"], micro["mask"])
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-    model.zero_grad(set_to_none=True)
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
 # -----------------------------------------------------------------------------
