@@ -392,9 +392,9 @@ def test_rl_raises_the_reward_of_a_random_model(monkeypatch, tmp_path, checkpoin
 DDP_DRIVER = """
 import hashlib, os, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
-import rl, test_rl
+import rl, rollout, test_rl
 from engine import Engine
-rl.load_task = lambda name, split, size: test_rl.LengthParity(split, size=64)
+rollout.task_by_name = lambda name, split, size: test_rl.LengthParity(split, size=64)
 models = []
 rl.Engine = lambda model, tokenizer: models.append(model) or Engine(model, tokenizer)  # keep each rank's model
 rl.main(sys.argv[1:])
