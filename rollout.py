@@ -31,6 +31,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+import common
 from common import autocast_ctx, format_eta, get_dist_info, print0, resolve_checkpoint
 from engine import Engine, load_model, sampling_logprobs
 from eval import completion_text, evaluate_generative
@@ -497,7 +498,7 @@ def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, t
     index (tasks.NgramIndex, optional): problems and rows that overlap an evaluation set are skipped ("contaminated").
     Returns (pairs, counts of what happened to the rows of all ranks, [(pairs, tokens of both sides)] per rank).
     """
-    _, rank, _, world_size = get_dist_info()
+    _, rank, _, world_size = common.get_dist_info()
     if source == "self-generated":
         indices = list(range(rank, len(task), world_size))
         clean = [i for i in indices if index is None or not index.contaminated(task[i])]
