@@ -91,10 +91,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import (FINISHED, HARDWARE, Logger, add_stage_flags, append_report, autocast_ctx, batch_tokens_for_device,
-                    checkpoint_dir, compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, format_eta,
-                    get_dist_info, kv_cache_bytes, load_checkpoint, model_size, preempted, print0, print_plan,
-                    resolve_checkpoint, resume_or_finish, run_cli, save_checkpoint, stage_plan, synchronize)
+from common import (ASSUMED_PASS_RATE, FINISHED, HARDWARE, Logger, add_stage_flags, append_report, autocast_ctx,
+                    batch_tokens_for_device, checkpoint_dir, compute_cleanup, compute_init, exit_preempted,
+                    expected_sampling_rounds, fit_batch_tokens, format_eta, get_dist_info, inference_memory,
+                    kv_cache_bytes, load_checkpoint, model_size, preempted, print0, print_plan, resolve_checkpoint,
+                    resume_or_finish, rl_models_bytes, run_cli, save_checkpoint, stage_plan, synchronize)
 from engine import Engine, load_model, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
@@ -107,13 +108,16 @@ PRESETS = {
     "tiny": dict(task="synthetic", train_size=5000, num_steps=50, prompts_per_step=16, group_size=8, max_tokens=48,
                  device_batch_tokens=8192, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128,
                  eval_samples=8, save_every=25, oversample=1.0, decontaminate=False),
-    # GSM8K on one 24 GB GPU (plan(): ~25 min): 32 prompts x 8 samples per step, 2x oversampled.
-    "small": dict(task="gsm8k", train_size=None, num_steps=40, prompts_per_step=32, group_size=8, max_tokens=512,
-                  device_batch_tokens=8192, lr_frac=0.05, warmup_steps=4, eval_every=20, eval_problems=200,
-                  eval_samples=8, save_every=20, oversample=2.0, decontaminate=True),
-    # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global; 2x oversampled, so that one
-    # sampling round usually finds 64 groups with contrast (plan(): ~50 min, rollout-bound: it assumes one round).
-    "full": dict(task="gsm8k", train_size=None, num_steps=200, prompts_per_step=64, group_size=16, max_tokens=512,
+    # GSM8K on one 24 GB GPU: 32 prompts x 8 samples per step, 2x oversampled; plan(): ~4 sampling rounds per step
+    # at the 2% pass@1 assumed for depth 8, so 30 steps of <= 256 tokens (GSM8K's reference answers with calculator
+    # calls: median 103, p99 290 tokens at a 4,096-token vocabulary, fewer at 65,536).
+    "small": dict(task="gsm8k", train_size=None, num_steps=30, prompts_per_step=32, group_size=8, max_tokens=256,
+                  device_batch_tokens=8192, lr_frac=0.05, warmup_steps=4, eval_every=15, eval_problems=100,
+                  eval_samples=8, save_every=15, oversample=2.0, decontaminate=True),
+    # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global; 2x oversampled. plan(): ~3.7
+    # sampling rounds per step at the 5% pass@1 assumed for depth 20, rollout-bound: 100 steps of <= 384 tokens
+    # (every reference answer measured above fits) keep the speedrun near 4 hours.
+    "full": dict(task="gsm8k", train_size=None, num_steps=100, prompts_per_step=64, group_size=16, max_tokens=384,
                  device_batch_tokens=16384, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400,
                  eval_samples=8, save_every=50, oversample=2.0, decontaminate=True),
 }
@@ -122,30 +126,43 @@ PLAN_PROMPT_TOKENS = 256  # a GSM8K prompt, rendered, is at most ~250 tokens: fo
 
 def plan(args, config):
     """
-    The preset's budget (common.stage_plan). Rollouts dominate: each step decodes prompts x group_size x oversample
-    rows of max_tokens (the batch runs until its longest row ends), assuming ONE sampling round per step (dynamic
-    sampling adds a round whenever the oversampled groups hold too few with contrast), plus the held-out
-    evaluations; at HARDWARE's assumed decode rate. The learner: every kept row at prompt + max_tokens positions, 6N
-    FLOPs per token plus the chunked logits' second lm_head forward, a no-grad old-log-prob pass (2N) only when
-    --epochs or --minibatches > 1 (skipped otherwise), a reference pass (2N) with --kl-coef. Memory: the learner at
-    the largest micro-batch that fits, plus this rank's KV cache of a round (bf16) as if it were still held, plus
-    the reference model's fp32 weights with --kl-coef.
+    The preset's budget (common.stage_plan). Rollouts dominate: each sampling round decodes prompts x group_size x
+    oversample rows of max_tokens (the batch runs until its longest row ends); dynamic sampling runs rounds until
+    every rank holds its groups with contrast, common.expected_sampling_rounds of them from the task's assumed
+    starting pass rate (common.ASSUMED_PASS_RATE; one round without the filter or without an assumed rate), plus the
+    held-out evaluations; at HARDWARE's assumed decode rate. The learner: every kept row at prompt + max_tokens
+    positions, 6N FLOPs per token plus the chunked logits' second lm_head forward, a no-grad old-log-prob pass (2N)
+    only when --epochs or --minibatches > 1 (skipped otherwise), a reference pass (2N) with --kl-coef. Memory: the
+    larger of the learner at the largest micro-batch that fits (gradients summed in place, no DDP buckets) and the
+    rollout (weights, optimizer state, this rank's KV cache of a round, bf16), which never coexist: the engine's
+    cache is freed when generate returns; both plus the reference, reward model and critic the flags load
+    (common.rl_models_bytes).
     """
     hw = HARDWARE[args.preset]
     num_params, flops = model_size(config)
     positions = PLAN_PROMPT_TOKENS + args.max_tokens
-    rows = args.prompts_per_step * args.group_size * args.oversample  # per step, all ranks
+    rows = args.prompts_per_step * args.group_size * args.oversample  # per sampling round, all ranks
+    pass_rate = ASSUMED_PASS_RATE.get(args.task, {}).get(args.preset)
+    filtered = args.filter_zero_contrast and args.reward == "verifier" and pass_rate is not None
+    rounds = expected_sampling_rounds(pass_rate, args.group_size, math.ceil(args.prompts_per_step / hw["gpus"]),
+                                      args.oversample, hw["gpus"], args.max_sampling_rounds) if filtered else 1.0
     evals = args.num_steps // args.eval_every + 1
-    decode = args.num_steps * rows * args.max_tokens + evals * args.eval_problems * args.eval_samples * args.max_tokens
+    decode = (args.num_steps * rounds * rows * args.max_tokens
+              + evals * args.eval_problems * args.eval_samples * args.max_tokens)
     passes = args.epochs * (flops + 2 * config.n_embd * config.vocab_size)
     passes += (flops / 3 if args.epochs > 1 or args.minibatches > 1 else 0) + (flops / 3 if args.kl_coef > 0 else 0)
     tokens = args.num_steps * args.prompts_per_step * args.group_size * positions
-    extra = kv_cache_bytes(config, math.ceil(rows / hw["gpus"]), positions)
-    extra += 4 * num_params if args.kl_coef > 0 else 0
+    extra = sum(rl_models_bytes(config, reference=args.kl_coef > 0, reward_model=args.reward == "rm",
+                                critic=args.advantage == "gae").values())
+    rollout = inference_memory(config, math.ceil(rows / hw["gpus"]), positions, math.ceil(rows / hw["gpus"]),
+                               optimizer=True) + extra
     micro = fit_batch_tokens("rl", config, hw["memory"], args.device_batch_tokens, positions, LOGITS_CHUNK_TOKENS,
-                             extra)
-    return stage_plan("rl", args.preset, config, micro, LOGITS_CHUNK_TOKENS, tokens, passes, decode_tokens=decode,
-                      extra_bytes=extra, note=f"one sampling round per step, --oversample {args.oversample:g}")
+                             extra, ddp=False)
+    why = f"pass@1 {pass_rate:.0%} assumed, slowest of {hw['gpus']} rank(s)" if filtered else "no contrast filter"
+    return dict(stage_plan("rl", args.preset, config, micro, LOGITS_CHUNK_TOKENS, tokens, passes, decode_tokens=decode,
+                           extra_bytes=extra, ddp=False, phase_bytes=rollout,
+                           note=f"{rounds:.2f} sampling rounds per step ({why}), --oversample {args.oversample:g}"),
+                sampling_rounds=rounds)
 
 LOGP_FLOOR = -100.0  # log-probs are floored here: a token outside a top-k/top-p support (-inf) must not become NaN
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| and |log pi_trainer/pi_engine| are clamped here before exp(), as in verl:
