@@ -97,9 +97,9 @@ def test_speedrun_preset_override(tmp_path):
 
 def test_choice_with_two_to_seven_gpus_prints_both_estimates():
     preset, procs, reasons = plan.choose_preset([H100] * 6)
-    assert (preset, procs) == ("full", 4)  # powers of two: 4 of the 6; full on 4 H100s ~7.3 h <= 8 h
+    assert (preset, procs) == ("full", 4)  # powers of two: 4 of the 6; full on 4 H100s ~7.8 h <= 8 h
     assert "full (with gradient accumulation) ~" in reasons[0] and "small (DDP) ~" in reasons[0]
-    assert plan.choose_preset([H100] * 2)[0] == "small"  # full would take ~15 h
+    assert plan.choose_preset([H100] * 2)[0] == "small"  # full would take ~15.5 h
 
 
 def test_speedrun_header_is_the_plan_and_fits():
@@ -111,6 +111,13 @@ def test_speedrun_header_is_the_plan_and_fits():
     assert sum(p["minutes"] for p in full) <= 4 * 60
     assert all(p["fits"] and p["peak_gib"] <= 75 for p in full)
     assert all(p["fits"] for p in small) and sum(p["minutes"] for p in small) <= 135  # ~2 h on one 24 GB GPU
+
+
+def test_readme_quotes_the_plan():
+    readme = (ROOT / "README.md").read_text()
+    full, small = (sum(p["minutes"] for p in plan.preset_plan(preset)) for preset in ("full", "small"))
+    assert f"~{full / 60:.1f} h (`speedrun.sh`'s table)" in readme and f"~{small / 60:.1f} h on a 4090" in readme
+    assert f"the full preset's {full:.0f} minutes" in readme and f"the small preset ({small:.0f} min)" in readme
 
 
 def test_plan_cli_prints_every_stage(tmp_path):
