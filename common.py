@@ -818,6 +818,7 @@ def print_plan(plan):
               if plan["decode_tokens"] else "")
     print0(f"plan on {plan['hardware']}: {plan['tokens'] / 1e6:,.1f}M tokens, {plan['flops']:.2e} FLOPs at "
            f"{plan['mfu']:.0%} MFU (assumed){decode} = ~{plan['minutes']:.0f} min | peak "
-           f"{plan['peak_gib']:.1f} GiB per GPU at {plan['micro_batch_tokens']:,}-token micro-batches "
+           f"{plan['peak_gib']:.1f} GiB per GPU"
+           + (f" at {plan['micro_batch_tokens']:,}-token micro-batches" if plan["micro_batch_tokens"] else "") + " "
            f"({'fits' if plan['fits'] else 'DOES NOT FIT'} {MEMORY_MARGIN:.0%} of "
            f"{HARDWARE[plan['preset']]['memory'] / GIB:.1f} GiB)" + (f" | {plan['note']}" if plan["note"] else ""))
