@@ -141,7 +141,7 @@ def plan(args, config):
     (common.rl_models_bytes).
     """
     hw = HARDWARE[args.preset]
-    num_params, flops = model_size(config)
+    flops = model_size(config)[1]
     positions = PLAN_PROMPT_TOKENS + args.max_tokens
     rows = args.prompts_per_step * args.group_size * args.oversample  # per sampling round, all ranks
     pass_rate = ASSUMED_PASS_RATE.get(args.task, {}).get(args.preset)
