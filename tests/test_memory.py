@@ -6,7 +6,6 @@ keeps; the engine's KV cache is gone when generate returns. The activation terms
 casts other ops than CUDA's and CPU attention keeps other tensors (bench/gpu_check.py measures them on a GPU).
 """
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
