@@ -277,8 +277,16 @@ class GPT(nn.Module):
         return norm(x)
 
     def head(self, h):
-        """Soft-capped float32 logits (..., V) of hidden states h (..., C)."""
-        logits = self.lm_head(h).float()
+        """
+        Soft-capped float32 logits (..., V) of hidden states h (..., C): the one head of the engine's sampling
+        distribution and of the learner's log-probs (both reach it through forward or chunked_logits).
+        The lm_head matmul runs outside autocast, in float32: under bf16 autocast its output would be bf16, which puts
+        every logit, and so every log-prob, on a grid of ~0.03-0.06 at logits of 4-8, and the engine's one-token
+        decode and the learner's full forward land on different grid points. On CUDA the float32 matmul runs as TF32
+        (common.py enables it): tensor cores at about half bf16's rate, for this one matmul.
+        """
+        with torch.autocast(h.device.type, enabled=False):
+            logits = F.linear(h.float(), self.lm_head.weight.float())  # (..., V)
         return LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
 
     def chunked_logits(self, h, fn, *per_token, chunk_tokens=None):
