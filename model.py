@@ -9,8 +9,8 @@ Per block (pre-norm residual):  x = x + Attn(norm(x));  x = x + MLP(norm(x))
 - No biases anywhere; token embedding and lm_head are separate matrices; logits are soft-capped: 15 * tanh(z / 15).
 
 Incremental decoding goes through a key/value cache (engine.KVCache) whose rows may hold different numbers of tokens.
-forward() only uses its methods positions / attn_mask / insert / advance and its `filled` count, so this file does
-not import engine.py.
+forward() only uses its methods positions / attn_mask / insert / advance and its `max_len`, so this file does not
+import engine.py, and engine.StaticKVCache (the compiled decode step's) goes through the same forward.
 """
 
 import math
@@ -262,8 +262,9 @@ class GPT(nn.Module):
             positions = torch.arange(T, device=idx.device)[None]  # (1, T)
             attn_mask = None
         else:
-            if kv_cache.filled + T > self.rotary_len:
-                raise ValueError(f"KV cache would reach position {kv_cache.filled + T}, beyond the rotary tables "
+            # A cache never holds more than max_len tokens per row (insert refuses), so every position is below it.
+            if kv_cache.max_len > self.rotary_len:
+                raise ValueError(f"a KV cache of {kv_cache.max_len} tokens per row reaches beyond the rotary tables "
                                  f"({self.rotary_len} = sequence_len * {ROTARY_MARGIN})")
             positions = kv_cache.positions(T)  # (B, T)
             attn_mask = kv_cache.attn_mask(T)  # (B or 1, 1, T, S) or None
