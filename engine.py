@@ -11,6 +11,11 @@ call <|python_start|>expr<|python_end|>, the engine evaluates expr and forces <|
 into that row, one token per step, with mask 0 (the model never chose them, so RL must not train on them).
 Engine.generate_steps is the same loop, step by step, with one Sampling (settings and seed) per prompt: serve.py
 decodes concurrent requests together with it.
+Each step samples with sample_tokens (inverse CDF, one seeded uniform per row) from sampling_logprobs's distribution.
+Two decode steps compute the same logits: the eager one on a KVCache (the reference), and the compiled one
+(Engine(compiled=True), the default on CUDA) on a StaticKVCache the Engine keeps for its next call of the same shape,
+with the one-token forward compiled by torch.compile (CUDA graphs on CUDA). On CPU the eager step stays the default:
+bench/engine.py measures the compiled one no faster there, and its compile takes tens of seconds.
 """
 
 import argparse
@@ -614,13 +619,16 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
+    parser.add_argument("--eager", action="store_true",
+                        help="decode with the eager step even where the compiled one is the default (CUDA): the "
+                             "compiled step makes the first reply wait for its compile")
     args = parser.parse_args()
 
     device = torch.device(args.device or common.autodetect_device())
     model, tokenizer, meta = load_model(args.ckpt, device)
     print(f"loaded {args.ckpt} (step {meta.get('step')}, {model.num_params():,} parameters) on {device}",
           file=sys.stderr)
-    engine = Engine(model, tokenizer)
+    engine = Engine(model, tokenizer, compiled=False if args.eager else None)
     conversation = {"messages": []}
     while True:
         if args.prompt is not None:

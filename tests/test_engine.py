@@ -215,6 +215,27 @@ def test_logprobs_equal_rescored_full_forward(model, tokenizer, prompts, tempera
                                        atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
+def test_compiled_keeps_its_cache_across_calls_and_matches_eager(model, tokenizer, prompts):
+    # The compiled path's cache outlives a call; the next call of the same shape (rows and length rounded up) reuses
+    # its storage, and what the previous call left in it must not leak in. Broken once (load() did not set each row's
+    # first slot): the second call's shorter prompt attended to its padding slots, holding the first call's keys, and
+    # its tokens differed from eager's.
+    eager, compiled = Engine(model, tokenizer, compiled=False), Engine(model, tokenizer, compiled=True)
+    calls = [([prompts[1]], 4, 12, 0.0), ([prompts[0], prompts[2]], 2, 20, 0.0), ([prompts[2], prompts[0]], 2, 20, 1.0),
+             (prompts, 3, 8, 1.0)]  # the last: 9 rows, a new shape
+    storages = []
+    for batch, num_samples, max_tokens, temperature in calls:
+        args = dict(num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=7)
+        expected, got = eager.generate(batch, **args), compiled.generate(batch, **args)
+        assert [[c.tokens for c in s] for s in got] == [[c.tokens for c in s] for s in expected]
+        for got_samples, expected_samples in zip(got, expected):
+            for g, e in zip(got_samples, expected_samples):
+                torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-5, rtol=0)
+        storages.append(compiled._static_cache.keys[0].data_ptr())
+    assert storages[0] == storages[1] == storages[2] != storages[3]
+
+
 def test_seed_makes_sampling_deterministic(model, tokenizer, prompts, compiled):
     engine = Engine(model, tokenizer, compiled=compiled)
 
