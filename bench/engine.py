@@ -18,7 +18,8 @@ Parts 3 and 4 print one column per decode path: eager (the reference), compiled 
 includes the compile, is timed apart as "compile") and nanochat's engine, imported from the folder NANOCHAT_DIR
 names (a copy of github.com/karpathy/nanochat holding nanochat/engine.py; the column is skipped without it).
 The paths run interleaved, --rounds times, and each prints its median: on a shared machine the neighbours' load
-drifts, and interleaving spreads that drift over all columns alike.
+drifts, and interleaving spreads that drift over all columns alike. On CPU each line also gives tokens per second of
+this process's CPU time: with one thread, what an idle machine's wall clock would show, less the neighbours' share.
 --nanochat-shape runs parts 3 and 4 at the shape of nanochat's engine benchmark: 4 layers, width 256, 2 heads,
 vocab 8192, 64-token prompts, 16 samples x 128 tokens, fp32.
 Rows that sample a stop token end early and are not counted; the mean completion length is printed.
@@ -230,15 +231,17 @@ def samples_batched(args, model, tokenizer, one, prompts, sampling, device):
             common.synchronize(device)
             first_call[part, name] = time.perf_counter() - t0
     rates = {(part, name): [] for part, paths in parts.items() for name in paths}
+    cpu_rates = {key: [] for key in rates}
     counts = {}
     for _ in range(args.rounds):
         for part, paths in parts.items():
             for name, fn in paths.items():
                 common.synchronize(device)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 counts[part, name] = fn()
                 common.synchronize(device)
                 rates[part, name].append(counts[part, name] / (time.perf_counter() - t0))
+                cpu_rates[part, name].append(counts[part, name] / (time.process_time() - c0))
     titles = {"3": f"3. one prompt of {len(one[0])} tokens x {args.num_samples} samples, up to {n_tokens} new tokens",
               "4": f"4. {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens x "
                    f"{args.num_samples} samples, up to {n_tokens} new tokens each: one batched call"
@@ -246,12 +249,17 @@ def samples_batched(args, model, tokenizer, one, prompts, sampling, device):
     for part, paths in parts.items():
         print(f"\n{titles[part]}  (median of {args.rounds} interleaved rounds)")
         medians = {name: statistics.median(rates[part, name]) for name in paths}
+        cpu = {name: statistics.median(cpu_rates[part, name]) for name in paths}
         for name in paths:
             rows = args.num_samples * (1 if part == "3" else len(prompts))
             line = (f"   {name:9s} {medians[name]:8.1f} tok/s   mean length {counts[part, name] / rows:5.1f}   "
                     f"x{medians[name] / medians['eager']:.2f} eager")
             if nanochat:
                 line += f"   x{medians[name] / medians['nanochat']:.2f} nanochat"
+            if device.type == "cpu":
+                line += f"   | {cpu[name]:8.1f} tok/CPU-s   x{cpu[name] / cpu['eager']:.2f} eager"
+                if nanochat:
+                    line += f"   x{cpu[name] / cpu['nanochat']:.2f} nanochat"
             print(line)
         steady = counts[part, "compiled"] / medians["compiled"]
         print(f"   compile: first compiled call {first_call[part, 'compiled']:.1f} s, "
