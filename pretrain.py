@@ -327,7 +327,9 @@ def main(argv=None):
             logger.log({"val/bpb": val_bpb}, step)
         if master and args.sample_every and step > 0 and (step % args.sample_every == 0 or last_step):
             orig_model.eval()
-            completions = Engine(orig_model, tokenizer).generate(prompts, max_tokens=32, temperature=0.0)
+            # A few short greedy samples: a decode-step compile would cost more than it saves.
+            completions = Engine(orig_model, tokenizer, compiled=False).generate(prompts, max_tokens=32,
+                                                                                temperature=0.0)
             for prompt, (completion,) in zip(prompts, completions):
                 print0(f"  sample: {tokenizer.decode(prompt[1:] + completion.tokens)!r}")
             orig_model.train()
