@@ -385,7 +385,8 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
     return result
 
 
-def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64):
+def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64,
+                         unpaired=False):
     """
     On-policy preference pairs: sample `num_samples` answers to each task[i] with the engine, score each with
     tasks.completion_reward, and pair one correct answer (reward > 0) with one incorrect answer, each drawn at random
@@ -396,6 +397,8 @@ def self_generated_pairs(engine, task, indices, num_samples, max_tokens, tempera
     ids, never re-tokenized: ids = prompt + completion tokens, mask = 0 on the prompt and the completion's mask (1
     where the model sampled the token, 0 on forced tool outputs). Returns (pairs as ((ids, mask), (ids, mask)),
     Counter of outcomes per prompt, plus "verifier errors" and "truncated" counted per answer).
+    unpaired=True (KTO's data): no pairing; every distinct scored answer of every prompt is an example
+    ((ids, mask), desirable), desirable = correct; the Counter has "desirable" and "undesirable" per answer.
     """
     pairs, stats = [], Counter()
     for start in range(0, len(indices), prompts_per_batch):
@@ -413,6 +416,13 @@ def self_generated_pairs(engine, task, indices, num_samples, max_tokens, tempera
                 stats["truncated"] += int(completion.finish == "length")
                 if not error:
                     (correct if reward > 0 else incorrect).append(completion)
+            if unpaired:
+                for desirable, kind in ((True, correct), (False, incorrect)):
+                    distinct = dict.fromkeys((tuple(c.tokens), tuple(c.mask)) for c in kind)  # first-seen order
+                    pairs.extend(((prompt + list(tokens), [0] * len(prompt) + list(mask)), desirable)
+                                 for tokens, mask in distinct)
+                    stats["desirable" if desirable else "undesirable"] += len(distinct)
+                continue
             if not correct or not incorrect:
                 stats["all correct" if correct else "all incorrect" if incorrect else "unscored"] += 1
                 continue
@@ -424,7 +434,7 @@ def self_generated_pairs(engine, task, indices, num_samples, max_tokens, tempera
 
 
 def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, task=None, samples=8, max_new_tokens=64,
-                     temperature=1.0, seed=0, index=None):
+                     temperature=1.0, seed=0, index=None, unpaired=False):
     """
     This rank's share of the preference pairs of `split` (DPO's and the reward model's data), as
     ((ids, mask), (ids, mask)):
@@ -434,18 +444,26 @@ def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, t
         else the static preference_mixture(source, ...) ("synthetic" or "ultrafeedback"), rendered by render_pair.
     index (tasks.NgramIndex, optional): problems and rows that overlap an evaluation set are skipped ("contaminated").
     Returns (pairs, counts of what happened to the rows of all ranks, [(pairs, tokens of both sides)] per rank).
+    unpaired=True (KTO): examples ((ids, mask), desirable) instead of pairs: self-generated, every distinct scored
+    answer labelled by the verifier (self_generated_pairs(unpaired=True)); static, each pair split into its chosen
+    (desirable) and rejected (undesirable) answer.
     """
     _, rank, _, world_size = common.get_dist_info()
+    sides = (lambda item: item[:1]) if unpaired else (lambda item: item)  # the token sequences of a pair or example
     if source == "self-generated":
         indices = list(range(rank, len(task), world_size))
         clean = [i for i in indices if index is None or not index.contaminated(task[i])]
         contaminated, indices = len(indices) - len(clean), clean
         with autocast_ctx(next(engine.model.parameters()).device):
             pairs, counts = self_generated_pairs(engine, task, indices, samples, max_new_tokens, temperature,
-                                                 seed=seed + 1_000_003 * rank)
-        fits = [max(len(chosen[0]), len(rejected[0])) <= max_seq_len for chosen, rejected in pairs]
+                                                 seed=seed + 1_000_003 * rank, unpaired=unpaired)
+        fits = [max(len(ids) for ids, _ in sides(item)) <= max_seq_len for item in pairs]
         counts["too long"] = fits.count(False)
-        counts["paired"] -= counts["too long"]
+        if unpaired:
+            for (_, desirable), fit in zip(pairs, fits):
+                counts["desirable" if desirable else "undesirable"] -= int(not fit)
+        else:
+            counts["paired"] -= counts["too long"]
         if index is not None:
             counts["contaminated"] = contaminated
         pairs = [pair for pair, fit in zip(pairs, fits) if fit]
@@ -456,7 +474,9 @@ def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, t
                                       range(rank, len(mixture), world_size), index=index)
         counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
         counts["paired"] = len(pairs)
-    share = (counts, len(pairs), sum(len(chosen[0]) + len(rejected[0]) for chosen, rejected in pairs))
+        if unpaired:
+            pairs = [example for chosen, rejected in pairs for example in ((chosen, True), (rejected, False))]
+    share = (counts, len(pairs), sum(len(ids) for item in pairs for ids, _ in sides(item)))
     shares = [share]
     if dist.is_initialized():
         shares = [None] * world_size
