@@ -95,6 +95,21 @@ def test_kto_rows_pair_each_answer_with_another_prompts_answer(tokenizer):
         dpo.kto_rows(examples[:2], seed=0, max_seq_len=128)  # one pair: one prompt
 
 
+def test_kto_kl_is_z0_on_the_mismatched_answers_over_micro_batches(tokenizer):
+    model = make_model(tokenizer)
+    preferences = tasks.SyntheticPreferences("train", size=4)
+    pairs = [tasks.render_pair(tokenizer, preferences[i], 128) for i in range(4)]
+    rows, _ = dpo.kto_rows([(side, k == 0) for pair in pairs for k, side in enumerate(pair)], 0, 128)
+    assert len(dpo.pair_micro_batches(rows, 256)[0]) > 1
+    with torch.no_grad():  # the policy's log-probs of each mismatched sequence, one at a time
+        mismatched = torch.cat([dpo.sequences_logps(model, [kl], tokenizer.bos_id, "cpu")[0] for _, kl in rows])
+    # reference 0.3 nats below the policy on average: z0 = 0.3; 0.3 above: the estimate -0.3 is clamped to 0
+    spread = torch.linspace(-1, 1, len(rows))
+    for shift, z0 in ((-0.3, 0.3), (0.3, 0.0)):
+        kl = dpo.kto_kl(model, rows, mismatched + shift + spread, 256, tokenizer.bos_id, "cpu")
+        assert kl.item() == pytest.approx(z0, abs=1e-5)
+
+
 class ParityTask:
     """Synthetic prompts with a toy verifier a random model passes about half the time: an even-length answer;
     an answer of length 3 mod 4 crashes it."""
