@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine, load_model
+from judge import JudgedTask, add_judge_flags, judge_from_args
 from eval import evaluate_generative, preference_pairs
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
 from tasks import GSM8K, NgramIndex, SyntheticTask, collate, evaluation_texts, token_budget_batches
@@ -428,18 +429,20 @@ def task_accuracy(model, tokenizer, args, device):
             "verifier_errors": greedy["errors"] + sampled["errors"]}
 
 
-def build_pairs(args, model, tokenizer, split, max_seq_len):
+def build_pairs(args, model, tokenizer, split, max_seq_len, judge=None):
     """
     This rank's share of the --pairs preference pairs of `split` (eval.preference_pairs; decontaminated with
     --decontaminate), counts of what happened to the rows of all ranks, and (pairs, tokens) held by each rank.
     --loss kto: labelled answers ((ids, mask), desirable) instead of pairs (preference_pairs(unpaired=True)).
+    judge (judge.JudgeVerifier): self-generated answers are labelled by it instead of --task's verifier.
     """
     size = args.train_pairs if split == "train" else args.eval_pairs
     index = NgramIndex(evaluation_texts(args.preset)) if args.decontaminate and split == "train" else None
     self_generated = args.pairs == "self-generated"
+    task = eval_task(args.task, split, size, args.seed) if self_generated else None
     return preference_pairs(args.pairs, split, size, tokenizer, max_seq_len,
                             engine=Engine(model, tokenizer) if self_generated else None,
-                            task=eval_task(args.task, split, size, args.seed) if self_generated else None,
+                            task=JudgedTask(task, judge) if judge else task,
                             samples=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             seed=args.seed, index=index, unpaired=args.loss_type == "kto")
 
@@ -494,6 +497,7 @@ def main(argv=None):
     parser.add_argument("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
                         help="drop training prompts and pairs that overlap an evaluation set in use (tasks.NgramIndex: "
                              "a shared 13-gram of normalised words); default on for full, off for tiny (split by hash)")
+    add_judge_flags(parser)
     parser.add_argument("--dry-run", action="store_true", help="build the model, pairs and optimizers, print the plan "
                         "and stop before the reference pass")
     args = parser.parse_args(argv)
@@ -502,6 +506,7 @@ def main(argv=None):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    judge = judge_from_args(args)
     if filled:
         print0(f"{args.loss_type} loss: paper defaults " + ", ".join(f"{k} {v:g}" for k, v in filled.items()))
 
@@ -525,8 +530,10 @@ def main(argv=None):
     # Data: each rank builds its own share of the pairs. Everything is deterministic given the SFT model and the
     # seed, so a resumed run rebuilds the same pairs and reference log-probs.
     t0 = time.time()
-    train_pairs, train_counts, train_shares = build_pairs(args, model, tokenizer, "train", max_seq_len)
-    eval_pairs, eval_counts, eval_shares = build_pairs(args, model, tokenizer, "test", max_seq_len)
+    train_pairs, train_counts, train_shares = build_pairs(args, model, tokenizer, "train", max_seq_len, judge)
+    eval_pairs, eval_counts, eval_shares = build_pairs(args, model, tokenizer, "test", max_seq_len, judge)
+    if judge:
+        print0(f"judge {args.judge_model} at {args.judge_url}: {judge.requests} requests, {len(judge.cache)} cached")
     print0(f"{'answers' if args.loss_type == 'kto' else 'pairs'}: train {dict(train_counts)} | "
            f"held-out {dict(eval_counts)}")
     train_labels = eval_labels = None

@@ -407,6 +407,10 @@ def self_generated_pairs(engine, task, indices, num_samples, max_tokens, tempera
         prompts = [engine.tokenizer.render_for_completion(c) for c in conversations]
         results = engine.generate(prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
                                   seed=seed + start)
+        if hasattr(task, "prefetch"):  # a judge: score the batch's finished answers concurrently, then one by one
+            task.prefetch([(conversation, completion_text(engine.tokenizer, completion))
+                           for conversation, completions in zip(conversations, results)
+                           for completion in completions if completion.finish == "stop"])
         for i, conversation, prompt, completions in zip(batch, conversations, prompts, results):
             correct, incorrect = [], []
             for completion in completions:
