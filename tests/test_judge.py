@@ -142,6 +142,14 @@ def test_a_timeout_is_retried_with_backoff_then_an_error(fake):
     assert 0.6 + 0.15 <= time.time() - start < 5  # three timeouts and the backoffs 0.05 and 0.1 between them
 
 
+def test_a_judged_answer_may_take_longer_than_a_rule_verifier(fake):
+    # tasks.safe_reward stops a verifier after 1 s; a judged task allows its judge's whole budget instead.
+    server = fake(lambda body, n: (1.5, "SCORE: 9"))
+    task = judge.JudgedTask(tasks.SyntheticTask("train", size=1), verifier(server.url))
+    assert task.verifier_timeout == 5.0
+    assert tasks.safe_reward(task, task[0], "5") == (1.0, False)
+
+
 def test_server_errors_are_retried_client_errors_are_not(fake):
     server = fake(lambda body, n: [500, 429, "SCORE: 3"][n] if n < 3 else 0)
     assert verifier(server.url, retries=2).verdict("q", "a") == (3, [])
