@@ -559,15 +559,27 @@ def read_report():
 # the speedrun's table. A real run on CUDA fits its micro-batch to the GPU it finds (batch_tokens_for_device).
 
 GIB = 2**30
+# Dense bf16 tensor-core peak of one GPU, FLOP/s (vendor datasheets): the plans below and the MFU a run measures.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2.25e15, "L40S": 362e12, "4090": 165e12}
 # The hardware each GPU preset is planned for. memory: what torch.cuda.get_device_properties reports (bytes);
-# peak_flops: dense bf16 tensor-core FLOP/s of one GPU (datasheets); decode_tokens_per_s: what one GPU's engine is
+# peak_flops: PEAK_FLOPS of its GPU; decode_tokens_per_s: what one GPU's engine is
 # assumed to generate (tokens/s, >= 128 rows decoding together, bf16, eager): an assumption until
 # bench/gpu_check.py measures it (its "engine decode" row).
 HARDWARE = {
-    "full": dict(name="8xH100 80GB", gpus=8, memory=81559 * 2**20, peak_flops=989e12, decode_tokens_per_s=10_000),
-    "small": dict(name="1x RTX 4090 24GB", gpus=1, memory=24564 * 2**20, peak_flops=165e12,
+    "full": dict(name="8xH100 80GB", gpus=8, memory=81559 * 2**20, peak_flops=PEAK_FLOPS["H100"],
+                 decode_tokens_per_s=10_000),
+    "small": dict(name="1x RTX 4090 24GB", gpus=1, memory=24564 * 2**20, peak_flops=PEAK_FLOPS["4090"],
                   decode_tokens_per_s=8_000),
 }
+
+
+def peak_flops(device):
+    """Peak bf16 FLOP/s of a CUDA device by its name (PEAK_FLOPS), or None (CPU, MPS, an unlisted GPU): no MFU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 # Assumed model FLOPs utilisation: compiled pretraining at large matmuls (nanochat reports ~40-50% on H100), eager
 # post-training with variable shapes and chunked logits lower. Assumptions, checked by bench/gpu_check.py's MFU.
 ASSUMED_MFU = {"pretrain": 0.40, "post-training": 0.25}

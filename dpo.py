@@ -31,10 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine, load_model
+from eval import evaluate_generative
 from judge import JudgedTask, add_judge_flags, judge_from_args
-from eval import evaluate_generative, preference_pairs
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
-from tasks import GSM8K, NgramIndex, SyntheticTask, collate, evaluation_texts, token_budget_batches
+from rollout import preference_pairs
+from tasks import collate, decontamination_index, task_by_name, token_budget_batches
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo", "orpo", "kto")
 PAIRED_LOSSES = LOSS_TYPES[:-1]  # dpo_loss's; kto_loss works on single answers labelled desirable or undesirable
@@ -404,20 +405,13 @@ def preference_summary(stats, short=False):
     return line if short else line + f" | logp chosen {stats['logps/chosen']:.1f} rejected {stats['logps/rejected']:.1f}"
 
 
-def eval_task(name, split, size, seed):
-    """The verifiable task whose prompts make self-generated pairs and whose held-out accuracy is checked."""
-    if name == "synthetic":
-        return SyntheticTask(split, size=size or 1000, seed=seed)
-    return GSM8K(split, size=size)
-
-
 def task_accuracy(model, tokenizer, args, device):
     """
     Held-out pass@1 of --task: greedy, and at temperature 1 (args.check_samples samples per problem); the samples
     that hit --max-new-tokens (never correct) and the verifier errors, counted over both.
     """
     engine = Engine(model, tokenizer)
-    task = eval_task(args.task, "test", args.check_problems, args.seed)
+    task = task_by_name(args.task, "test", args.check_problems, args.seed)
     indices = list(range(len(task)))
     with autocast_ctx(device):
         greedy = evaluate_generative(engine, task, indices, max_tokens=args.max_new_tokens, temperature=0.0,
@@ -431,15 +425,15 @@ def task_accuracy(model, tokenizer, args, device):
 
 def build_pairs(args, model, tokenizer, split, max_seq_len, judge=None):
     """
-    This rank's share of the --pairs preference pairs of `split` (eval.preference_pairs; decontaminated with
+    This rank's share of the --pairs preference pairs of `split` (rollout.preference_pairs; decontaminated with
     --decontaminate), counts of what happened to the rows of all ranks, and (pairs, tokens) held by each rank.
     --loss kto: labelled answers ((ids, mask), desirable) instead of pairs (preference_pairs(unpaired=True)).
     judge (judge.JudgeVerifier): self-generated answers are labelled by it instead of --task's verifier.
     """
     size = args.train_pairs if split == "train" else args.eval_pairs
-    index = NgramIndex(evaluation_texts(args.preset)) if args.decontaminate and split == "train" else None
+    index = decontamination_index(args.preset) if args.decontaminate and split == "train" else None
     self_generated = args.pairs == "self-generated"
-    task = eval_task(args.task, split, size, args.seed) if self_generated else None
+    task = task_by_name(args.task, split, size, args.seed) if self_generated else None
     return preference_pairs(args.pairs, split, size, tokenizer, max_seq_len,
                             engine=Engine(model, tokenizer) if self_generated else None,
                             task=JudgedTask(task, judge) if judge else task,

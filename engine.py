@@ -128,8 +128,8 @@ def sampling_logprobs(logits, temperature=1.0, top_k=None, top_p=None):
     kept tokens = the top_k largest (ties with the k-th are kept too), then of those the nucleus: the smallest
     set of most likely tokens whose probability sums to >= top_p (the most likely token is always kept).
     Removed tokens get -inf. temperature=0 is greedy: the delta distribution on the argmax (log-prob 0.0 there,
-    -inf elsewhere), so a greedy token's log-prob is 0.0. The engine samples with it and rl.py re-scores with
-    it: one definition, so the two agree exactly.
+    -inf elsewhere), so a greedy token's log-prob is 0.0. The engine samples with it and the RL learner
+    (rollout.token_logprobs) re-scores with it: one definition, so the two agree exactly.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")

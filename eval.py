@@ -47,7 +47,6 @@ import math
 import random
 import time
 from collections import Counter
-from functools import partial
 from itertools import islice
 
 import torch
@@ -57,9 +56,8 @@ import common
 import report
 from common import autocast_ctx, format_eta, get_dist_info, print0
 from engine import Engine, load_model
-from tasks import (GSM8K, LETTERS, MultipleChoice, SyntheticTask, canonical_number, collate, completion_reward,
-                   extract_final_answer, preference_mixture, prepare_rows, pretraining_batches, pretraining_texts,
-                   render_pair, token_budget_batches)
+from tasks import (LETTERS, MultipleChoice, canonical_number, collate, completion_reward, extract_final_answer,
+                   pretraining_batches, pretraining_texts, task_by_name, token_budget_batches)
 
 STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "merge")  # the checkpoints eval.py evaluates
 GENERATIVE_TASKS = ("synthetic", "gsm8k")
@@ -385,129 +383,6 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
     return result
 
 
-def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64,
-                         unpaired=False):
-    """
-    On-policy preference pairs: sample `num_samples` answers to each task[i] with the engine, score each with
-    tasks.completion_reward, and pair one correct answer (reward > 0) with one incorrect answer, each drawn at random
-    among its kind; a prompt whose answers are all right or all wrong gives no pair. An answer that ran into
-    max_tokens is incorrect whatever its text (it may be a rejected answer, never a chosen one: the pair then
-    teaches to stop). An answer the verifier failed on (crash, timeout, nonsense) is neither: it is left out of the
-    pair, and a prompt whose every answer errored counts as "unscored". The pair is made of the engine's own token
-    ids, never re-tokenized: ids = prompt + completion tokens, mask = 0 on the prompt and the completion's mask (1
-    where the model sampled the token, 0 on forced tool outputs). Returns (pairs as ((ids, mask), (ids, mask)),
-    Counter of outcomes per prompt, plus "verifier errors" and "truncated" counted per answer).
-    unpaired=True (KTO's data): no pairing; every distinct scored answer of every prompt is an example
-    ((ids, mask), desirable), desirable = correct; the Counter has "desirable" and "undesirable" per answer.
-    """
-    pairs, stats = [], Counter()
-    for start in range(0, len(indices), prompts_per_batch):
-        batch = indices[start:start + prompts_per_batch]
-        conversations = [task[i] for i in batch]
-        prompts = [engine.tokenizer.render_for_completion(c) for c in conversations]
-        results = engine.generate(prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
-                                  seed=seed + start)
-        if hasattr(task, "prefetch"):  # a judge: score the batch's finished answers concurrently, then one by one
-            task.prefetch([(conversation, completion_text(engine.tokenizer, completion))
-                           for conversation, completions in zip(conversations, results)
-                           for completion in completions if completion.finish == "stop"])
-        for i, conversation, prompt, completions in zip(batch, conversations, prompts, results):
-            correct, incorrect = [], []
-            for completion in completions:
-                reward, error = completion_reward(task, conversation, completion_text(engine.tokenizer, completion),
-                                                  completion.finish)
-                stats["verifier errors"] += int(error)
-                stats["truncated"] += int(completion.finish == "length")
-                if not error:
-                    (correct if reward > 0 else incorrect).append(completion)
-            if unpaired:
-                for desirable, kind in ((True, correct), (False, incorrect)):
-                    distinct = dict.fromkeys((tuple(c.tokens), tuple(c.mask)) for c in kind)  # first-seen order
-                    pairs.extend(((prompt + list(tokens), [0] * len(prompt) + list(mask)), desirable)
-                                 for tokens, mask in distinct)
-                    stats["desirable" if desirable else "undesirable"] += len(distinct)
-                continue
-            if not correct or not incorrect:
-                stats["all correct" if correct else "all incorrect" if incorrect else "unscored"] += 1
-                continue
-            rng = random.Random(f"{seed}-{i}")
-            chosen, rejected = rng.choice(correct), rng.choice(incorrect)
-            pairs.append(tuple((prompt + c.tokens, [0] * len(prompt) + c.mask) for c in (chosen, rejected)))
-            stats["paired"] += 1
-    return pairs, stats
-
-
-def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, task=None, samples=8, max_new_tokens=64,
-                     temperature=1.0, seed=0, index=None, unpaired=False):
-    """
-    This rank's share of the preference pairs of `split` (DPO's and the reward model's data), as
-    ((ids, mask), (ids, mask)):
-        source "self-generated": `engine` samples `samples` answers to each of this rank's problems of `task`
-            (seed + 1_000_003 * rank) and self_generated_pairs pairs a right one with a wrong one; pairs with a side
-            longer than max_seq_len are dropped ("too long");
-        else the static preference_mixture(source, ...) ("synthetic" or "ultrafeedback"), rendered by render_pair.
-    index (tasks.NgramIndex, optional): problems and rows that overlap an evaluation set are skipped ("contaminated").
-    Returns (pairs, counts of what happened to the rows of all ranks, [(pairs, tokens of both sides)] per rank).
-    unpaired=True (KTO): examples ((ids, mask), desirable) instead of pairs: self-generated, every distinct scored
-    answer labelled by the verifier (self_generated_pairs(unpaired=True)); static, each pair split into its chosen
-    (desirable) and rejected (undesirable) answer.
-    """
-    _, rank, _, world_size = common.get_dist_info()
-    sides = (lambda item: item[:1]) if unpaired else (lambda item: item)  # the token sequences of a pair or example
-    if source == "self-generated":
-        indices = list(range(rank, len(task), world_size))
-        clean = [i for i in indices if index is None or not index.contaminated(task[i])]
-        contaminated, indices = len(indices) - len(clean), clean
-        with autocast_ctx(next(engine.model.parameters()).device):
-            pairs, counts = self_generated_pairs(engine, task, indices, samples, max_new_tokens, temperature,
-                                                 seed=seed + 1_000_003 * rank, unpaired=unpaired)
-        fits = [max(len(ids) for ids, _ in sides(item)) <= max_seq_len for item in pairs]
-        counts["too long"] = fits.count(False)
-        if unpaired:
-            for (_, desirable), fit in zip(pairs, fits):
-                counts["desirable" if desirable else "undesirable"] -= int(not fit)
-        else:
-            counts["paired"] -= counts["too long"]
-        if index is not None:
-            counts["contaminated"] = contaminated
-        pairs = [pair for pair, fit in zip(pairs, fits) if fit]
-    else:
-        mixture = preference_mixture(source, split, size, seed)
-        print0(f"{split} mixture:\n{mixture.summary()}")
-        pairs, skipped = prepare_rows(mixture, partial(render_pair, tokenizer, max_seq_len=max_seq_len),
-                                      range(rank, len(mixture), world_size), index=index)
-        counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
-        counts["paired"] = len(pairs)
-        if unpaired:
-            pairs = [example for chosen, rejected in pairs for example in ((chosen, True), (rejected, False))]
-    share = (counts, len(pairs), sum(len(ids) for item in pairs for ids, _ in sides(item)))
-    shares = [share]
-    if dist.is_initialized():
-        shares = [None] * world_size
-        dist.all_gather_object(shares, share)
-    return pairs, sum((s[0] for s in shares), Counter()), [s[1:] for s in shares]
-
-
-# -----------------------------------------------------------------------------
-# Loading the tasks
-
-
-def load_task(name, size=None):
-    """
-    The held-out split of a generative or multiple-choice task; the first `size` problems if given. Hub tasks are read
-    like every other loader's: from $NANOPOST_DATA_DIR when set (tasks.local_files), else from the hub.
-    """
-    if name == "synthetic":
-        return SyntheticTask("test", size=size or 1000, seed=0)
-    if name == "gsm8k":
-        return GSM8K("test", size=size)
-    if name in MC_TASKS:
-        return MultipleChoice(name, "test", size=size)
-    raise ValueError(f"unknown task {name!r}; expected bpb or one of {GENERATIVE_TASKS + MC_TASKS}")
-
-
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Evaluate a checkpoint (bpb, multiple choice, pass@k) and render "
                                                  "the report card $NANOPOST_HOME/report.md.")
@@ -589,7 +464,7 @@ def main(argv=None):
                 metrics["bpb"] = evaluate_bpb(model, batches, token_bytes, device)
                 shown = f"bpb {metrics['bpb']:.4f}"
             elif name in MC_TASKS:
-                task = load_task(name, max_problems)
+                task = task_by_name(name, "test", max_problems)
                 items = [task[i] for i in range(len(task))]
                 if stage == "base":
                     shots = MC_SHOTS[name] if args.few_shot is None else args.few_shot
@@ -603,7 +478,7 @@ def main(argv=None):
                     metrics[f"{name}/acc"] = result["acc"]
                     shown = f"acc {result['acc']:.4f} (letter, {result['count']} items)"
             else:
-                task = load_task(name, max_problems)
+                task = task_by_name(name, "test", max_problems)
                 result = evaluate_generative(engine, task, list(range(len(task))), args.num_samples, ks, max_tokens,
                                              temperature, args.top_k, batch_size=batch_size, seed=args.seed,
                                              label=label)

@@ -354,7 +354,7 @@ def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS
 
 # -----------------------------------------------------------------------------
 # A GPT trunk with a scalar head: the reward model (rm.py, read at the answer's last token) and PPO's critic
-# (rl.py --advantage gae, read at every token)
+# (ppo.py's critic, read at every token)
 
 
 class ScalarHeadModel(nn.Module):

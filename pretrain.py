@@ -26,8 +26,8 @@ import torch.distributed as dist
 import tasks
 from common import (ASSUMED_MFU, FINISHED, HARDWARE, Logger, add_stage_flags, append_report, autocast_ctx,
                     batch_tokens_for_device, checkpoint_dir, compute_cleanup, compute_init, exit_preempted,
-                    fit_batch_tokens, format_eta, get_base_dir, load_checkpoint, model_size, preempted, print0,
-                    print_plan, resume_or_finish, run_cli, save_checkpoint, stage_plan, synchronize)
+                    fit_batch_tokens, format_eta, get_base_dir, load_checkpoint, model_size, peak_flops, preempted,
+                    print0, print_plan, resume_or_finish, run_cli, save_checkpoint, stage_plan, synchronize)
 from engine import Engine
 from eval import evaluate_bpb
 from model import EMBEDDING_LR, GPT, MATRIX_LR, UNEMBEDDING_LR, GPTConfig
@@ -69,19 +69,6 @@ SAMPLE_PROMPTS = {
     "fineweb": ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow "
                 "will be", "The opposite of hot is", "The planets of the solar system are:"],
 }
-
-# Dense bf16 tensor-core peak of one GPU, FLOP/s (vendor datasheets), for MFU. Unknown devices report no MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2.25e15, "L40S": 362e12, "4090": 165e12}
-
-
-def peak_flops(device):
-    """Peak bf16 FLOP/s of a CUDA device by its name, or None (CPU, MPS, an unlisted GPU)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
 
 def lr_multiplier(step, num_iterations, warmup_frac, warmdown_frac):
     """
@@ -262,7 +249,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------
     # Data: this rank's documents packed into (B, T) rows; a fixed validation set
     train_texts = training_texts(args.data, "train", args.data_files)
-    index = tasks.NgramIndex(tasks.evaluation_texts(args.preset)) if args.decontaminate else None
+    index = tasks.decontamination_index(args.preset) if args.decontaminate else None
     contaminated = [0]  # documents skipped by this rank since this process started
 
     def keep(text):

@@ -48,9 +48,9 @@ from engine import Engine, load_model
 from eval import PRESETS as EVAL_PRESETS
 from eval import completion_text, evaluate_bpb, evaluate_generative, validation_batches
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
-from tasks import (GSM8K, NgramIndex, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture,
-                   collate, evaluation_texts, extract_final_answer, prepare_rows, pretraining_batches,
-                   pretraining_texts, token_budget_batches)
+from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
+                   decontamination_index, extract_final_answer, prepare_rows, pretraining_batches, pretraining_texts,
+                   token_budget_batches)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, plan(): ~6 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k
@@ -329,7 +329,7 @@ def main(argv=None):
     val_mix = sft_mixture(args.preset, "test", args.eval_rows, seed=args.seed)
     print0(f"train mixture:\n{train_mix.summary()}\nheld-out mixture:\n{val_mix.summary()}")
     render = partial(render_for_sft, tokenizer, max_seq_len=max_seq_len)
-    index = NgramIndex(evaluation_texts(args.preset)) if args.decontaminate else None
+    index = decontamination_index(args.preset) if args.decontaminate else None
     train_rows, skipped = prepare_rows(train_mix, render, range(rank, len(train_mix), world_size), index=index)
     val_rows, val_skipped = prepare_rows(val_mix, render, range(rank, len(val_mix), world_size))
     share = (skipped, val_skipped, len(train_rows), len(val_rows), sum(len(ids) for ids, _ in train_rows))

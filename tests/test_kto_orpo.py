@@ -11,7 +11,7 @@ import torch
 
 import common
 import dpo
-import eval
+import rollout
 import tasks
 from conftest import ends_turn_sometimes, make_model, make_tokenizer
 from engine import Engine, load_model
@@ -132,8 +132,8 @@ class ParityTask:
 def test_self_generated_answers_are_labelled_by_the_verifier(tokenizer):
     engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
     task = ParityTask(12)
-    examples, stats = eval.self_generated_pairs(engine, task, list(range(12)), num_samples=4, max_tokens=6,
-                                               temperature=1.0, seed=3, unpaired=True)
+    examples, stats = rollout.self_generated_pairs(engine, task, list(range(12)), num_samples=4, max_tokens=6,
+                                                  temperature=1.0, seed=3, unpaired=True)
     assert stats["desirable"] > 0 and stats["undesirable"] > 0 and stats["verifier errors"] > 0
     assert stats["desirable"] + stats["undesirable"] == len(examples)
     prompts = [tokenizer.render_for_completion(task[i]) for i in range(12)]
