@@ -500,7 +500,7 @@ def main(argv=None):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    judge = judge_from_args(args)
+    judge = judge_from_args(args, args.pairs == "self-generated", "use it with --pairs self-generated")
     if filled:
         print0(f"{args.loss_type} loss: paper defaults " + ", ".join(f"{k} {v:g}" for k, v in filled.items()))
 

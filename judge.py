@@ -192,12 +192,13 @@ def prompt_text(conversation):
 class JudgedTask:
     """
     `task` with the judge as its verifier: reward() is 1.0 when the answer scores at least the rubric's pass_score
-    and breaks no hard rule, else 0.0 (a JudgeError propagates: a verifier error). verifier_timeout tells
-    tasks.safe_reward how long a judged answer may take; prefetch() asks for many answers concurrently first.
+    and breaks no hard rule, else 0.0 (the pair builders' label); graded=True (an RL reward), the judge's reward()
+    itself, score / max_score. A JudgeError propagates: a verifier error. verifier_timeout tells tasks.safe_reward
+    how long a judged answer may take; prefetch() asks for many answers concurrently first.
     """
 
-    def __init__(self, task, judge):
-        self.task, self.judge = task, judge
+    def __init__(self, task, judge, graded=False):
+        self.task, self.judge, self.graded = task, judge, graded
         self.verifier_timeout = judge.budget()
 
     def __len__(self):
@@ -207,6 +208,8 @@ class JudgedTask:
         return self.task[i]
 
     def reward(self, conversation, completion):
+        if self.graded:
+            return self.judge.reward(prompt_text(conversation), completion)
         score, broken = self.judge.verdict(prompt_text(conversation), completion)
         return float(not broken and score >= self.judge.rubric["pass_score"])
 
@@ -216,10 +219,11 @@ class JudgedTask:
 
 
 def add_judge_flags(parser):
-    """The judge's flags, shared by the stages whose pairs it can label."""
-    parser.add_argument("--judge-url", help="label answers with an LM judge at this OpenAI-compatible base URL "
-                        "(e.g. http://127.0.0.1:8000/v1, serve.py's) instead of the task's verifier; "
-                        "NANOPOST_JUDGE_API_KEY, if set, is sent as a bearer token")
+    """The judge's flags, shared by the stages it can score for (dpo.py and rm.py pairs, rl.py/ppo.py --reward)."""
+    parser.add_argument("--judge-url", help="score sampled answers with an LM judge at this OpenAI-compatible base "
+                        "URL (e.g. http://127.0.0.1:8000/v1, serve.py's) instead of the task's verifier (pair "
+                        "builders: --pairs self-generated; rl.py: --reward judge); NANOPOST_JUDGE_API_KEY, if set, is "
+                        "sent as a bearer token")
     parser.add_argument("--judge-model", default="nanopost", help="the judge's model name in requests")
     parser.add_argument("--judge-rubric", help="the judge's rubric file (JSON, see judge.py)")
     parser.add_argument("--judge-timeout", type=float, default=30.0, help="seconds per judge request")
@@ -228,10 +232,10 @@ def add_judge_flags(parser):
     parser.add_argument("--judge-concurrency", type=int, default=8, help="judge requests in flight at most")
 
 
-def judge_from_args(args):
+def judge_from_args(args, used, how):
     """
-    The JudgeVerifier of a pair-building stage's --judge-* flags, or None without --judge-url; ValueError for a
-    half-given configuration or static --pairs (nothing is sampled, so there is nothing to judge).
+    The JudgeVerifier of the --judge-* flags, or None without --judge-url; ValueError for a half-given configuration
+    or a judge the run would not use (`used` False; `how` says what would use it).
     """
     if args.judge_url is None:
         if args.judge_rubric is not None:
@@ -239,9 +243,8 @@ def judge_from_args(args):
         return None
     if args.judge_rubric is None:
         raise ValueError("--judge-url needs --judge-rubric (what the judge scores against)")
-    if args.pairs != "self-generated":
-        raise ValueError(f"the judge labels sampled answers: use --judge-url with --pairs self-generated, "
-                         f"not {args.pairs}")
+    if not used:
+        raise ValueError(f"--judge-url would be unused: the judge scores sampled answers, {how}")
     if args.judge_concurrency < 1 or args.judge_retries < 0 or args.judge_timeout <= 0:
         raise ValueError("--judge-concurrency must be >= 1, --judge-retries >= 0 and --judge-timeout > 0")
     return JudgeVerifier(args.judge_url, args.judge_model, load_rubric(args.judge_rubric), timeout=args.judge_timeout,

@@ -144,7 +144,7 @@ def main(argv=None):
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    judge = judge_from_args(args)
+    judge = judge_from_args(args, args.pairs == "self-generated", "use it with --pairs self-generated")
 
     stage_start = time.time()
     ddp, rank, local_rank, world_size, device = compute_init(args.device, args.seed)

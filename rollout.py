@@ -35,6 +35,7 @@ import common
 from common import autocast_ctx, format_eta, get_dist_info, print0, resolve_checkpoint
 from engine import Engine, load_model, sampling_logprobs
 from eval import completion_text, evaluate_generative
+from judge import JudgedTask, add_judge_flags, judge_from_args
 from tasks import (PromptMixture, collate, completion_reward, decontamination_index, pad_sequences, prepare_rows,
                    preference_mixture, render_pair, row_texts, task_by_name, token_budget_batches)
 
@@ -861,10 +862,12 @@ def add_flags(parser):
              "full 2)")
     add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
     add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
-    add("--reward", choices=["verifier", "rm"], default="verifier",
+    add("--reward", choices=["verifier", "rm", "judge"], default="verifier",
         help="verifier: the task's exact check; rm: the --rm-ckpt reward model's score of each completion, normalised "
-             "per batch (normalize_scores); the verifier then only measures (reward/accuracy, held-out pass@1)")
+             "per batch (normalize_scores); judge: the --judge-url LM judge's score / max_score (0 for a broken hard "
+             "rule; judge.py); with rm or judge the verifier only measures (reward/accuracy, held-out pass@1)")
     add("--rm-ckpt", default=None, help="reward model checkpoint of rm.py (--reward rm)")
+    add_judge_flags(parser)
     # the policy loss
     add("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see policy_loss)")
     add("--eps-low", type=float, default=None,
@@ -929,6 +932,11 @@ def finish_args(parser, args):
         parser.error("--reward rm needs --rm-ckpt PATH (a checkpoint written by rm.py)")
     if args.reward == "rm" and args.overlong_buffer:
         parser.error("--overlong-buffer shapes verifier rewards; it does not apply to --reward rm")
+    if args.reward == "judge" and args.judge_url is None:
+        parser.error("--reward judge needs --judge-url URL and --judge-rubric FILE (judge.py)")
+    if args.reward == "judge" and args.async_rollouts:
+        parser.error("--reward judge with --async is not supported: the rollout process would need its own judge "
+                     "client; drop --async")
     parse_task_mixture(args.task)  # a bad --task fails before any model is loaded
     if args.async_rollouts and args.ptgs:
         raise ValueError("--async with --ptgs is not supported: the controller would draw in the worker from a "
@@ -957,6 +965,9 @@ def prepare_prompts(args, world_size):
     """
     sources = parse_task_mixture(args.task)
     train_task = PromptMixture([(name, task_by_name(name, "train", args.train_size), w) for name, w in sources])
+    judge = judge_from_args(args, args.reward == "judge", "use it with --reward judge")
+    if judge:  # the judge scores the training rollouts; the held-out problems keep their verifier
+        train_task.tasks = {name: JudgedTask(task, judge, graded=True) for name, task in train_task.tasks.items()}
     test_task = PromptMixture([(name, task_by_name(name, "test", args.eval_problems), w) for name, w in sources])
     eval_indices = list(range(min(args.eval_problems, len(test_task))))
     decontaminated = {}

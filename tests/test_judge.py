@@ -15,6 +15,8 @@ import pytest
 
 import dpo
 import judge
+import rl
+import rollout
 import serve
 import tasks
 from conftest import ends_turn_sometimes, make_model, make_tokenizer, scripted_model
@@ -245,7 +247,7 @@ def test_judge_labels_dpo_self_generated_pairs(fake, tmp_path):
                               max_new_tokens=6, temperature=1.0, seed=0, decontaminate=False, preset="tiny",
                               loss_type="sigmoid", judge_url=server.url, judge_model="judge",
                               judge_rubric=str(rubric), judge_timeout=5.0, judge_retries=0, judge_concurrency=4)
-    v = judge.judge_from_args(args)
+    v = judge.judge_from_args(args, True, "")
     pairs, counts, _ = dpo.build_pairs(args, model, tokenizer, "train", 128, v)
     assert pairs and counts["verifier errors"] > 0
     end = tokenizer.token_id("<|assistant_end|>")
@@ -254,5 +256,24 @@ def test_judge_labels_dpo_self_generated_pairs(fake, tmp_path):
         assert answer[-1] == end and len(tokenizer.decode(answer[:-1])) % 2 == 0
     # prefetch asked for every finished answer once; the one-by-one scoring hit the cache, except for the errors
     assert len(server.bodies) == len({json.dumps(b["messages"]) for b in server.bodies}) + counts["verifier errors"]
-    with pytest.raises(ValueError, match="self-generated"):
-        judge.judge_from_args(argparse.Namespace(**{**vars(args), "pairs": "synthetic"}))
+    with pytest.raises(ValueError, match="with --pairs self-generated"):
+        dpo.main(["--device", "cpu", "--pairs", "synthetic", "--judge-url", server.url, "--judge-rubric", str(rubric)])
+
+
+def test_rl_reward_judge_scores_training_rollouts_not_held_out_problems(fake, tmp_path):
+    server = fake(lambda body, n: "SCORE: 6")
+    rubric = tmp_path / "rubric.json"
+    rubric.write_text(json.dumps(RUBRIC))
+    flags = ["--preset", "tiny", "--judge-url", server.url, "--judge-rubric", str(rubric)]
+    args = rl.parse_args(["--reward", "judge"] + flags)
+    train_task, test_task, _, _ = rollout.prepare_prompts(args, world_size=1)
+    conversation = train_task[0]
+    assert train_task.reward(conversation, "anything") == 0.6  # graded: score / max_score
+    assert len(server.bodies) == 1 and conversation["messages"][0]["content"] in server.bodies[0]["messages"][1][
+        "content"]
+    test_task.reward(test_task[0], "#### 1")  # the held-out problems keep their verifier
+    assert len(server.bodies) == 1
+    with pytest.raises(SystemExit):  # --reward judge without a judge
+        rl.parse_args(["--reward", "judge"])
+    with pytest.raises(ValueError, match="with --reward judge"):  # a judge the run would not use
+        rollout.prepare_prompts(rl.parse_args(flags), world_size=1)
