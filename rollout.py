@@ -483,6 +483,7 @@ def self_generated_pairs(engine, task, indices, num_samples, max_tokens, tempera
                                                                            engine.tokenizer)):
                 stats["verifier errors"] += int(error)
                 stats["truncated"] += int(completion.finish == "length")
+                stats["sampled tokens"] += len(completion.tokens)
                 if not error:
                     (correct if reward > 0 else incorrect).append(completion)
             if unpaired:
