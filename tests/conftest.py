@@ -1,4 +1,8 @@
+import os
 import socket
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,7 +58,7 @@ def make_model(tokenizer, seed=0):
     return GPT(config)
 
 
-def scripted_model(tokenizer, transitions, scale=1.0):
+def scripted_model(tokenizer, transitions, scale=1.0, sequence_len=64):
     """
     A real GPT whose next token depends only on the current token: transitions {token: next_token}.
     init_weights zeroes the blocks' output projections, so every block is the identity and the final hidden state
@@ -67,7 +71,8 @@ def scripted_model(tokenizer, transitions, scale=1.0):
     from model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(sequence_len=64, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64))
+    model = GPT(GPTConfig(sequence_len=sequence_len, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2,
+                          n_embd=64))
     model.init_weights()
     with torch.no_grad():
         model.wte.weight.zero_()
@@ -105,11 +110,6 @@ REHEARSAL_TIMEOUT = 1200  # seconds for the whole rehearsal; each launch inside 
 def rehearsal(tmp_path_factory):
     """(folder, finished process) of `bash speedrun.sh --rehearse` kept in a temporary folder: <folder>/small and
     <folder>/full are the presets' NANOPOST_HOMEs, <folder>/data the stand-in hub data."""
-    import os
-    import subprocess
-    import time
-    from pathlib import Path
-
     folder = tmp_path_factory.mktemp("rehearsal")
     env = {**os.environ, "REHEARSAL_DIR": str(folder), "REHEARSAL_TIMEOUT": "300"}
     env.pop("NANOPOST_HOME", None)

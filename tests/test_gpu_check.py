@@ -13,7 +13,8 @@ import gpu_check  # noqa: E402
 import sft  # noqa: E402
 
 SCALED_DOWN = ["--device", "cpu", "--depth", "2", "--vocab-size", "512", "--seq-len", "64", "--steps", "4",
-               "--engine-rows", "8", "--engine-tokens", "8", "--rl-prompts", "2", "--rl-max-tokens", "8"]
+               "--engine-rows", "8", "--engine-tokens", "8", "--decode-rows", "2", "--rl-prompts", "2",
+               "--rl-max-tokens", "8"]
 
 
 @pytest.fixture

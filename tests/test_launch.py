@@ -62,7 +62,7 @@ def torchrun_options():
 
 
 def test_every_script_parses_arguments():
-    assert {"pretrain.py", "sft.py", "dpo.py", "rl.py", "rm.py", "eval.py", "merge.py", "serve.py",
+    assert {"pretrain.py", "sft.py", "dpo.py", "rl.py", "ppo.py", "rm.py", "eval.py", "merge.py", "serve.py",
             "bench/gpu_check.py"} <= set(SCRIPTS)
 
 

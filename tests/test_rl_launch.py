@@ -1,7 +1,7 @@
 """
 The launch shapes users have besides the speedrun's chain, on the rehearsal's checkpoints (conftest.rehearsal) with
 its sizes (NANOPOST_REHEARSAL=1), each under torchrun with 2 gloo ranks: the RLHF path (rm.py, then rl.py --reward
-rm), the PPO/GAE path, --async, --ptgs, --difficulty-filter, a task mixture, --eval-every 0; merge.py on two
+rm), ppo.py, --async, --ptgs, --difficulty-filter, a task mixture, --eval-every 0; merge.py on two
 rehearsal checkpoints and serve.py on the result; a 2-node run on localhost (two torchrun agents, c10d rendezvous) of pretraining, SFT, RL
 and evaluation; pretraining at world size 4 with fewer validation row groups than ranks.
 
@@ -31,9 +31,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 400  # seconds per launch: a hang is a failure
 
-# The RL launch lines, one table: (script and its flags, xfail reason or None). The critic path runs as
-# `rl.py --advantage gae` today; once ppo.py holds it, PPO becomes ["ppo.py"].
-PPO = ["rl.py", "--advantage", "gae"]
+# The RL launch lines, one table: (script and its flags, xfail reason or None).
+PPO = ["ppo.py"]
 RL_LAUNCHES = {
     "gae": ([*PPO], "GAE: torch.cat() of an empty list on a rank that kept no group (GRPO skips such a step)"),
     "gae-mask-truncated": ([*PPO, "--mask-truncated", "--no-filter-zero-contrast", "--max-tokens", "1"],
@@ -98,7 +97,7 @@ def test_rlhf_path_reward_model_then_rl_from_it(chain, tmp_path):
 
 def test_difficulty_filter_samples_on_both_ranks_and_refuses_an_empty_band(chain, tmp_path):
     """The rehearsal's model solves nothing, so no prompt is strictly inside (0, 1): both ranks sample their share of
-    the prompts, agree on the count, and stop with one line each (the keep rule itself: tests/test_rl_systems.py)."""
+    the prompts, agree on the count, and stop with one line each (the keep rule itself: tests/test_rollout.py)."""
     ckpts, env = chain
     result = torchrun(env, "rl.py", *rl_flags(ckpts, tmp_path / "out"), "--difficulty-filter", "0", "1",
                       "--difficulty-samples", "2")
@@ -121,16 +120,17 @@ PTGS_DRIVER = """
 import json, os, sys
 sys.path.insert(0, {repo!r})
 import rl
+import rollout
 controllers = []
 
 
-class Recorded(rl.TemperatureController):  # each rank's controller, to compare with what the checkpoint keeps
+class Recorded(rollout.TemperatureController):  # each rank's controller, to compare with what the checkpoint keeps
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         controllers.append(self)
 
 
-rl.TemperatureController = Recorded
+rollout.TemperatureController = Recorded
 rl.main(sys.argv[1:])
 with open(os.path.join({out!r}, "rank" + os.environ["RANK"] + ".json"), "w") as f:
     json.dump(controllers[-1].state_dict(), f)
