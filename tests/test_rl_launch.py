@@ -34,9 +34,11 @@ LAUNCH_TIMEOUT = 400  # seconds per launch: a hang is a failure
 # The RL launch lines, one table: (script and its flags, xfail reason or None).
 PPO = ["ppo.py"]
 RL_LAUNCHES = {
-    "gae": ([*PPO], "GAE: torch.cat() of an empty list on a rank that kept no group (GRPO skips such a step)"),
-    "gae-mask-truncated": ([*PPO, "--mask-truncated", "--no-filter-zero-contrast", "--max-tokens", "1"],
-                           "GAE: a rank with no valid token whitens its advantages with a NaN mean and std; the "
+    # Every group kept on both ranks (no dynamic sampling): the critic path without the empty-rank defects below.
+    "ppo-every-group": ([*PPO, "--no-filter-zero-contrast"], None),
+    "ppo": ([*PPO], "ppo.py: torch.cat() of an empty list on a rank that kept no group (GRPO skips such a step)"),
+    "ppo-mask-truncated": ([*PPO, "--mask-truncated", "--no-filter-zero-contrast", "--max-tokens", "1"],
+                           "ppo.py: a rank with no valid token whitens its advantages with a NaN mean and std; the "
                            "gradient all-reduce spreads the NaN to every rank"),
     "async": (["rl.py", "--async"], None),
     "ptgs": (["rl.py", "--ptgs"], None),
@@ -176,13 +178,27 @@ def test_merge_two_rehearsal_checkpoints_and_serve_the_result(chain, tmp_path):
         server.wait(timeout=60)
 
 
+def readme_two_node_launcher():
+    """The README's two-node torchrun line, up to its script: [torchrun, options...]."""
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.startswith("torchrun --nnodes=2"))
+    words = line.split()
+    return words[:words.index("pretrain.py")]
+
+
 def two_node_launch(env, *args):
-    """Two torchrun agents on this machine, 1 process each, meeting through a c10d rendezvous: a 2-node run."""
+    """The README's two-node line on this machine: two torchrun agents (node-rank 0 and 1), 1 process each instead
+    of 8, meeting at a free local port instead of HOST:29500."""
     port = free_port()
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
-                                str(node), "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                                f"localhost:{port}", "--rdzv-id", "rehearsal", *args], cwd=REPO, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    launcher = readme_two_node_launcher()
+    assert "--nproc_per_node=8" in launcher and "--node-rank=0" in launcher and "--rdzv-endpoint=HOST:29500" in launcher
+    agents = []
+    for node in (0, 1):
+        local = {"--nproc_per_node=8": "--nproc_per_node=1", "--node-rank=0": f"--node-rank={node}",
+                 "--rdzv-endpoint=HOST:29500": f"--rdzv-endpoint=localhost:{port}"}
+        options = [local.get(word, word) for word in launcher[1:]]
+        agents.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *options, *args], cwd=REPO,
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [agent.communicate(timeout=LAUNCH_TIMEOUT)[0] for agent in agents]
     for agent, output in zip(agents, outputs):
         assert agent.returncode == 0, output[-4000:]
