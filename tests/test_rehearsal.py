@@ -30,7 +30,7 @@ def test_rehearsal_runs_both_gpu_presets_under_torchrun(rehearsal):
     for script in ("tokenizer.py", "pretrain.py", "sft.py", "dpo.py", "rl.py", "eval.py"):
         assert f"{script}: REHEARSAL (NANOPOST_REHEARSAL=1)" in result.stdout
     assert "--nproc_per_node=2 STAGE.py --preset full --wandb-run dummy --resume" in result.stdout
-    print(f"rehearsal wall time: {result.seconds:.0f}s")
+    print(f"rehearsal: {result.seconds:.0f} s wall time, {result.cpu_seconds:.0f} s of CPU time")
 
 
 def test_rehearse_replaces_only_the_listed_sizes(monkeypatch, capsys):

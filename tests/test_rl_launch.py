@@ -29,7 +29,7 @@ from conftest import free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-LAUNCH_TIMEOUT = 400  # seconds per launch: a hang is a failure
+LAUNCH_TIMEOUT = 600  # seconds per launch: a hang is a failure (a guard, not a budget: see conftest)
 
 # The RL launch lines, one table: (script and its flags, xfail reason or None).
 PPO = ["ppo.py"]
