@@ -1,3 +1,16 @@
+"""
+Shared fixtures of the suite. Where a test lives:
+    test_<module>.py            the module of that name (test_rl.py: rl.py; test_gpu_check.py: bench/gpu_check.py)
+    test_<module>_<concern>.py  one concern of it (test_rl_ddp.py, test_dpo_kto_orpo.py, test_sft_rft.py, ...)
+    concerns that cross every stage, one file each: test_checkpoints.py (checksums, damaged checkpoints,
+    preemption), test_resume.py (bit-exact resume of the chat stages), test_errors.py (bad input, exact messages),
+    test_end_to_end.py (runs that assert outcomes), test_memory.py (what the memory model counts), test_layout.py
+    (the import layering), test_gpu.py (only on CUDA), test_launch.py (every script's flags against torchrun's
+    options, speedrun.sh's launch line, numeric flags refused up front), test_launch_shapes.py (each launch shape
+    under torchrun from the rehearsal's checkpoints: RLHF, PPO, --async, --ptgs, 2 nodes, world size 4, merge,
+    serve).
+"""
+
 import os
 import resource
 import socket
@@ -101,8 +114,8 @@ def ends_turn_sometimes(model, tokenizer, weight=0.6):
 
 
 # -----------------------------------------------------------------------------
-# The rehearsal (bash speedrun.sh --rehearse), run once per test session: test_rehearsal.py checks it, the launch-shape
-# tests start from its checkpoints.
+# The rehearsal (bash speedrun.sh --rehearse), run once per test session: test_speedrun_rehearsal.py checks it,
+# test_launch_shapes.py starts from its checkpoints.
 
 # Hang guards, not budgets: the rehearsal takes ~5 minutes of CPU time (about that on CI's 2 idle cores), and
 # several times longer on a machine shared with other jobs.

@@ -51,7 +51,7 @@ def chain(rehearsal, tmp_path_factory):
     """(checkpoints of the rehearsal's full preset, env for a launch: its sizes, its data, a home of our own)."""
     folder, result = rehearsal
     if result.returncode != 0:
-        pytest.fail("the rehearsal failed (test_rehearsal.py shows why); its checkpoints are needed here")
+        pytest.fail("the rehearsal failed (test_speedrun_rehearsal.py shows why); its checkpoints are needed here")
     home = tmp_path_factory.mktemp("launch-home")
     shutil.copytree(folder / "full" / "tokenizer", home / "tokenizer")
     env = {**os.environ, "NANOPOST_HOME": str(home), "NANOPOST_DATA_DIR": str(folder / "data"),
