@@ -117,8 +117,8 @@ def ends_turn_sometimes(model, tokenizer, weight=0.6):
 # The rehearsal (bash speedrun.sh --rehearse), run once per test session: test_speedrun_rehearsal.py checks it,
 # test_launch_shapes.py starts from its checkpoints.
 
-# Hang guards, not budgets: the rehearsal takes ~5 minutes of CPU time (about that on CI's 2 idle cores), and
-# several times longer on a machine shared with other jobs.
+# Hang guards, not budgets: the rehearsal took 352 s of CPU time (at most about that on CI's 2 idle cores) and
+# 19m49s on a 2-core machine shared with other jobs.
 REHEARSAL_TIMEOUT = 2400  # seconds for the whole rehearsal
 LAUNCH_TIMEOUT = 600  # seconds for each launch inside it (speedrun.sh's REHEARSAL_TIMEOUT)
 
