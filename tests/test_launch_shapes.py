@@ -86,15 +86,21 @@ def test_rl_launch_shape(chain, tmp_path, name):
     assert_healthy(torchrun(env, script, *rl_flags(ckpts, tmp_path / "out"), *flags))
 
 
-def test_rlhf_path_reward_model_then_rl_from_it(chain, tmp_path):
-    """rm.py under DDP (the reward model's unused lm_head once stopped it at step 2), then RL from its scores."""
+def test_rlhf_path_reward_model_then_rl_and_ppo_from_it(chain, tmp_path):
+    """rm.py under DDP (the reward model's unused lm_head once stopped it at step 2), then GRPO and PPO from its
+    scores. The scores are what give PPO's critic and policy non-zero gradients here (the rehearsal's model solves
+    nothing, so verifier rewards are all 0): its end-of-stage check then sees a rank that skips the critic's gradient
+    all-reduce."""
     ckpts, env = chain
     result = torchrun(env, "rm.py", "--preset", "full", "--ckpt", str(ckpts / "sft"), "--out", str(tmp_path / "rm"))
     assert_healthy(result)
     assert "step    4/4" in result.stdout  # 32 pairs, 8 a step: several steps, 2 micro-batches each per rank
-    result = torchrun(env, "rl.py", *rl_flags(ckpts, tmp_path / "rlhf"), "--reward", "rm", "--rm-ckpt",
-                      str(tmp_path / "rm"), "--task", "ultrafeedback")
-    assert_healthy(result)
+    for script in ("rl.py", "ppo.py"):
+        result = torchrun(env, script, "--preset", "full", "--wandb-run", "dummy", "--ckpt", str(ckpts / "sft"),
+                          "--out", str(tmp_path / script), "--reward", "rm", "--rm-ckpt", str(tmp_path / "rm"),
+                          "--task", "ultrafeedback")
+        assert_healthy(result)
+        assert "reward-model score" in result.stdout
 
 
 def test_difficulty_filter_samples_on_both_ranks_and_refuses_an_empty_band(chain, tmp_path):
