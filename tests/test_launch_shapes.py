@@ -37,9 +37,6 @@ RL_LAUNCHES = {
     # Every group kept on both ranks (no dynamic sampling): the critic path without the empty-rank defects below.
     "ppo-every-group": ([*PPO, "--no-filter-zero-contrast"], None),
     "ppo": ([*PPO], "ppo.py: torch.cat() of an empty list on a rank that kept no group (GRPO skips such a step)"),
-    "ppo-mask-truncated": ([*PPO, "--mask-truncated", "--no-filter-zero-contrast", "--max-tokens", "1"],
-                           "ppo.py: a rank with no valid token whitens its advantages with a NaN mean and std; the "
-                           "gradient all-reduce spreads the NaN to every rank"),
     "async": (["rl.py", "--async"], None),
     "ptgs": (["rl.py", "--ptgs"], None),
     "mixture": (["rl.py", "--task", "gsm8k:1,synthetic:1"], None),
