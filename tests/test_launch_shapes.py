@@ -1,9 +1,9 @@
 """
 The launch shapes users have besides the speedrun's chain, on the rehearsal's checkpoints (conftest.rehearsal) with
-its sizes (NANOPOST_REHEARSAL=1), each under torchrun with 2 gloo ranks: the RLHF path (rm.py, then rl.py --reward
-rm), ppo.py, --async, --ptgs, --difficulty-filter, a task mixture, --eval-every 0; merge.py on two
-rehearsal checkpoints and serve.py on the result; a 2-node run on localhost (two torchrun agents, c10d rendezvous) of pretraining, SFT, RL
-and evaluation; pretraining at world size 4 with fewer validation row groups than ranks.
+its sizes (NANOPOST_REHEARSAL=1), each under torchrun with 2 gloo ranks: the RLHF path (rm.py, then rl.py and ppo.py
+--reward rm), ppo.py, --async, --ptgs, --difficulty-filter, a task mixture, --eval-every 0; merge.py on two rehearsal
+checkpoints and serve.py on the result; the README's 2-node line on localhost (two torchrun agents, c10d rendezvous)
+for pretraining, SFT, RL and evaluation; pretraining at world size 4 with fewer validation row groups than ranks.
 
 Known RL defects are xfail(strict=True): each turns into a failure once fixed, and the fix removes the mark. A
 launch passes when it exits 0 with every logged loss finite; the ranks' weights are compared by the stage itself
