@@ -11,7 +11,7 @@ Each step, on every rank:
     2. rewards   token_rewards: the KL to the reference on every token (--kl-placement reward, the default: the
                  penalty is part of the reward), the completion's score on its last token
     3. advantage the critic (a copy of the policy's trunk with a zero-started scalar head, its own optimizers) gives
-                 V(s_t) at every token; gae turns rewards and values into advantages and returns, whitened per batch
+                 V(s_t) at every token; gae turns rewards and values into advantages and returns, whitened over the batch of every rank
     4. update    policy_loss on the advantages, value_loss on the returns, each with its own optimizer step
     5. evaluation and checkpoints as rl.py's; the critic and its optimizers are saved with the policy
 
@@ -33,9 +33,9 @@ from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_c
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from rollout import (PRESETS, Rollouts, add_flags, add_loss_stats, aggregate, all_reduce_gradients, batch_counts,
-                     difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches, learner_tally,
-                     load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally, reference_sampling,
-                     report_record, row_sampling, score_old, step_metrics, token_logprobs)
+                     difficulty_prompts, evaluate_held_out, finish_args, global_moments, kl_penalty, learner_batches,
+                     learner_tally, load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally,
+                     reference_sampling, report_record, row_sampling, score_old, step_metrics, token_logprobs, whiten)
 
 # -----------------------------------------------------------------------------
 # The math: per-token rewards, GAE, the clipped value loss
@@ -105,13 +105,18 @@ def value_loss(values, old_values, returns, mask, clip_eps=0.2, count=None):
     return loss, clip_frac
 
 
-def explained_variance(values, returns, mask):
-    """1 - Var[R - V] / Var[R] over valid tokens: 1 is a perfect critic, 0 one no better than a constant."""
-    valid = mask > 0
-    v, r = values[valid].float(), returns[valid].float()
-    if r.numel() < 2:
+def explained_variance(pairs, device):
+    """
+    1 - Var[R - V] / Var[R] over the valid tokens of every rank (global_moments), from (values, returns, mask) of
+    each micro-batch: 1 is a perfect critic, 0 one no better than a constant. Undefined (NaN) when the returns do
+    not vary (their variance below 1e-8, or fewer than 2 tokens): any critic would divide by ~0 there.
+    """
+    pairs = list(pairs)
+    n, _, var_returns = global_moments([(r, m) for _, r, m in pairs], device)
+    _, _, var_error = global_moments([(r - v, m) for v, r, m in pairs], device)
+    if n < 2 or var_returns < 1e-8:
         return float("nan")
-    return float(1 - (r - v).var() / r.var().clamp(min=1e-8))
+    return 1 - var_error / var_returns
 
 
 # -----------------------------------------------------------------------------
@@ -228,7 +233,7 @@ def main(argv=None):
         minibatches, positions = learner_batches(groups, args, pad_id, device)  # rows carry their raw rewards
 
         # Score the batch with the weights that sampled it (old log-probs, reference log-probs, the critic's
-        # values), then per-token rewards -> GAE; advantages whitened over the batch (per rank), as PPO does.
+        # values), then per-token rewards -> GAE; advantages whitened over the whole batch of every rank, as PPO does.
         tally = learner_tally(rollout_tally, groups, positions)
         with torch.no_grad():
             for micro in (micro for mb in minibatches for micro in mb):
@@ -248,14 +253,11 @@ def main(argv=None):
                     tally["kl_sum"] += float((kl * mask).sum())
                 rewards = token_rewards(micro["advantages"], kl, mask, args.kl_coef)
                 micro["advantages"], micro["returns"] = gae(rewards, micro["old_values"], mask, args.gamma, args.lam)
-        micros = [micro for mb in minibatches for micro in mb]
-        values = torch.cat([m["old_values"][m["mask"] > 0] for m in micros])
-        returns = torch.cat([m["returns"][m["mask"] > 0] for m in micros])
-        advantages = torch.cat([m["advantages"][m["mask"] > 0] for m in micros])
-        explained = explained_variance(values, returns, torch.ones_like(values))
-        mean, std = advantages.mean(), advantages.std(unbiased=False)
+        micros = [micro for mb in minibatches for micro in mb]  # none on a rank that kept no group
+        explained = explained_variance(((m["old_values"], m["returns"], m["mask"]) for m in micros), device)
+        moments = global_moments(((m["advantages"], m["mask"]) for m in micros), device)
         for m in micros:
-            m["advantages"] = (m["advantages"] - mean) / (std + 1e-8) * m["mask"]
+            m["advantages"] = whiten(m["advantages"], m["mask"], moments)
         counts, value_counts = batch_counts(minibatches, args.loss_agg, device)
 
         # The update: --epochs passes, one policy and one critic optimizer step per minibatch.
@@ -321,7 +323,7 @@ def main(argv=None):
                         "critic/clip_frac": tally["value_clip_sum"] / loss_tokens,
                         "critic/explained_variance": explained})
         extra_line += (f"| value loss {metrics['critic/value_loss']:.4f} "
-                       f"expl var {metrics['critic/explained_variance']:+.2f} ")
+                       f"expl var {'n/a' if math.isnan(explained) else f'{explained:+.2f}'} ")
         logger.log(metrics, step=step + 1)
         eta = (time.time() - t_start) / (step + 1 - start_step) * (args.num_steps - step - 1)
         print_step(step, args.num_steps, metrics, extra_line, (t1 - t0, t2 - t1), eta)

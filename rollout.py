@@ -277,14 +277,43 @@ def mismatch_weights(trainer_logp, engine_logp, mode="tis", cap=2.0, window=(0.5
     raise ValueError(f"unknown mismatch correction {mode!r}; expected none, tis or mask")
 
 
+def global_moments(pairs, device):
+    """
+    (n, mean, var) of the entries of every (values, mask) pair of this rank where mask is 1, over all ranks: one
+    all-reduce of (n, sum x, sum x^2) in float64, then mean = sum x / n and var = sum x^2 / n - mean^2 (population).
+    A rank with no pair or no valid entry contributes zeros and still joins the all-reduce, so every rank gets the
+    same moments and the result does not depend on how the entries are split across processes. n = 0: mean 0, var 0.
+    """
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for values, mask in pairs:
+        x, m = values.detach().double(), (mask > 0).double()
+        sums += torch.stack([m.sum(), (x * m).sum(), (x * x * m).sum()])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    n, total, squares = sums.tolist()
+    mean = total / max(n, 1.0)
+    return n, mean, max(squares / max(n, 1.0) - mean * mean, 0.0)
+
+
+def whiten(values, mask, moments, eps=1e-8):
+    """
+    PPO's advantage whitening (OpenAI baselines ppo2; Ziegler et al. 2019): (x - mean) / (std + eps) where mask is
+    1, 0 elsewhere; moments = global_moments(...) of the whole batch over every rank (n, mean, var).
+    """
+    _, mean, var = moments
+    return (values - mean) / (math.sqrt(var) + eps) * (mask > 0)
+
+
 def normalize_scores(scores, eps=1e-6):
     """
     Per-batch normalisation of reward-model scores (N,): z = (s - mean(s)) / (std(s) + eps), population std, over
-    the step's completions (each rank's own). A reward model's scale and offset are arbitrary (only
-    differences are trained); fixing them per batch keeps the KL coefficient and the critic's targets on one scale.
-    (GRPO's std-scaled group advantages are unchanged by it; the KL term's weight relative to the reward is not.)
+    the step's completions of every rank (global_moments: the z-scores do not depend on the number of processes).
+    A reward model's scale and offset are arbitrary (only differences are trained); fixing them per batch keeps
+    the KL coefficient and the critic's targets on one scale. (GRPO's std-scaled group advantages are unchanged by
+    it; the KL term's weight relative to the reward is not.)
     """
-    return (scores - scores.mean()) / (scores.std(unbiased=False) + eps)
+    _, mean, var = global_moments([(scores, torch.ones_like(scores))], scores.device)
+    return ((scores - mean) / (math.sqrt(var) + eps)).to(scores.dtype)
 
 
 # -----------------------------------------------------------------------------

@@ -390,32 +390,41 @@ def test_rl_raises_the_reward_of_a_random_model(monkeypatch, tmp_path, checkpoin
 
 
 DDP_DRIVER = """
-import hashlib, os, sys
+import hashlib, importlib, os, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
-import rl, rollout, test_rl
+import {stage} as stage, rollout
 from engine import Engine
-rollout.task_by_name = lambda name, split, size: test_rl.LengthParity(split, size=64)
+task = getattr(importlib.import_module({task!r}.rpartition(".")[0]), {task!r}.rpartition(".")[2])
+rollout.task_by_name = lambda name, split, size: task(split, size=64)
 models = []
-rl.Engine = lambda model, tokenizer: models.append(model) or Engine(model, tokenizer)  # keep each rank's model
-rl.main(sys.argv[1:])
+stage.Engine = lambda model, tokenizer: models.append(model) or Engine(model, tokenizer)  # keep each rank's model
+stage.main(sys.argv[1:])
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in models[0].parameters())).hexdigest()
 with open(os.path.join({out!r}, "rank" + os.environ["RANK"]), "w") as f:
     f.write(digest)
 """
 
 
-@pytest.mark.slow
-def test_torchrun_two_ranks_end_with_identical_weights(tmp_path, checkpoint):
+def torchrun(tmp_path, checkpoint, *flags, stage="rl", task="test_rl.LengthParity"):
+    """stage.main under torchrun, 2 gloo ranks, at test sizes; each rank writes its final weights' hash to rank<R>."""
     driver = tmp_path / "driver.py"
-    driver.write_text(DDP_DRIVER.format(repo=str(REPO), tests=str(REPO / "tests"), out=str(tmp_path)))
+    driver.write_text(DDP_DRIVER.format(repo=str(REPO), tests=str(REPO / "tests"), out=str(tmp_path), stage=stage,
+                                        task=task))
     env = {**os.environ, "NANOPOST_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver),
                "--preset", "tiny", "--device", "cpu", "--ckpt", str(checkpoint), "--out", str(tmp_path / "rl"),
-               "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8",
-               "--eval-problems", "4", "--eval-samples", "2", "--minibatches", "2", "--device-batch-tokens", "150"]
+               "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8", "--eval-problems", "4",
+               "--eval-samples", "2", "--device-batch-tokens", "150", *flags]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "2 rank(s)" in result.stdout and "step 2/2" in result.stdout
+    assert "2 rank(s)" in result.stdout
+    return result
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_end_with_identical_weights(tmp_path, checkpoint):
+    result = torchrun(tmp_path, checkpoint, "--num-steps", "2", "--minibatches", "2")
+    assert "step 2/2" in result.stdout
     assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text()
     final, _, meta = load_model(tmp_path / "rl", "cpu")
     initial, _, _ = load_model(checkpoint, "cpu")
