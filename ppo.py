@@ -33,9 +33,10 @@ from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_c
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from rollout import (PRESETS, Rollouts, add_flags, add_loss_stats, aggregate, all_reduce_gradients, batch_counts,
-                     difficulty_prompts, evaluate_held_out, finish_args, global_moments, kl_penalty, learner_batches,
-                     learner_tally, load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally,
-                     reference_sampling, report_record, row_sampling, score_old, step_metrics, token_logprobs, whiten)
+                     check_numeric_flags, difficulty_prompts, evaluate_held_out, finish_args, global_moments,
+                     kl_penalty, learner_batches, learner_tally, load_reward_model, policy_loss, prepare_prompts,
+                     print_step, reduce_tally, reference_sampling, report_record, row_sampling, score_old,
+                     step_metrics, token_logprobs, whiten)
 
 # -----------------------------------------------------------------------------
 # The math: per-token rewards, GAE, the clipped value loss
@@ -143,6 +144,10 @@ def parse_args(argv=None):
     args = finish_args(parser, parser.parse_args(argv))
     if args.critic_lr_frac is None:
         args.critic_lr_frac = 2 * args.lr_frac
+    check_numeric_flags(parser, args, {"gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+                                       "lam": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+                                       "value_clip": (lambda v: v > 0, "> 0"),
+                                       "critic_lr_frac": (lambda v: v > 0, "> 0")})
     return args
 
 
@@ -329,7 +334,7 @@ def main(argv=None):
         print_step(step, args.num_steps, metrics, extra_line, (t1 - t0, t2 - t1), eta)
 
         last = step + 1 == args.num_steps
-        if (step + 1) % args.eval_every == 0 or last:
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
             history.append(evaluate_held_out(engine, test_task, eval_indices, args, step + 1, reward_model))
             logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=step + 1)
         if preempted(device):  # SIGTERM/SIGINT: keep this step's work, see common.py

@@ -121,7 +121,7 @@ def plan(args, config):
     num_params, flops = model_size(config)
     positions = PLAN_PROMPT_TOKENS + args.max_tokens
     rows = args.prompts_per_step * args.group_size * args.oversample  # per step, all ranks
-    evals = args.num_steps // args.eval_every + 1
+    evals = (args.num_steps // args.eval_every if args.eval_every else 1) + 1  # the start, periodic, the end
     decode = args.num_steps * rows * args.max_tokens + evals * args.eval_problems * args.eval_samples * args.max_tokens
     passes = args.epochs * (flops + 2 * config.n_embd * config.vocab_size)
     passes += (flops / 3 if args.epochs > 1 or args.minibatches > 1 else 0) + (flops / 3 if args.kl_coef > 0 else 0)
@@ -308,7 +308,7 @@ def main(argv=None):
 
         # 5. Held-out evaluation and periodic checkpoints.
         last = step + 1 == args.num_steps
-        if (step + 1) % args.eval_every == 0 or last:
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
             history.append(evaluate_held_out(engine, test_task, eval_indices, args, step + 1, reward_model))
             logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=step + 1)
         if preempted(device):  # SIGTERM/SIGINT: keep this step's work, see common.py

@@ -899,17 +899,52 @@ def add_flags(parser):
     add("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
     add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
     # evaluation and saving
-    add("--eval-every", type=int, help="held-out evaluation every N steps (and at the start and the end)")
+    add("--eval-every", type=int,
+        help="held-out evaluation every N steps, and at the start and the end (0: only at the start and the end)")
     add("--eval-problems", type=int, help="held-out problems evaluated")
     add("--eval-samples", type=int, help="samples per held-out problem: pass@1 and pass@N")
     add("--eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
-    add("--save-every", type=int, help="checkpoint every N steps, for --resume")
+    add("--save-every", type=int, help="checkpoint every N steps, for --resume (0: only the final checkpoint)")
     add("--dry-run", action="store_true",
         help="build the model, optimizers and data, print the plan (rl.py: its budget) and stop")
 
 
+# Every numeric flag of the RL stages and the values it accepts: (test, what the error says it must be). A value
+# outside them would otherwise fail mid-run (a division by zero, an empty batch) or be silently meaningless.
+NUMERIC_FLAGS = {
+    "num_steps": (lambda v: v >= 1, ">= 1"), "prompts_per_step": (lambda v: v >= 1, ">= 1"),
+    "group_size": (lambda v: v >= 2, ">= 2 (a group's advantages compare its answers)"),
+    "max_tokens": (lambda v: v >= 1, ">= 1"), "train_size": (lambda v: v is None or v >= 1, ">= 1"),
+    "temperature": (lambda v: v > 0, "> 0 (the learner scores at it; --eval-temperature 0 is greedy evaluation)"),
+    "eval_temperature": (lambda v: v >= 0, ">= 0 (0: greedy)"),
+    "top_k": (lambda v: v is None or v >= 1, ">= 1"), "top_p": (lambda v: v is None or 0 < v <= 1, "in (0, 1]"),
+    "max_sampling_rounds": (lambda v: v >= 1, ">= 1"), "oversample": (lambda v: v >= 1, ">= 1"),
+    "difficulty_samples": (lambda v: v >= 1, ">= 1"),
+    "difficulty_filter": (lambda v: v is None or 0 <= v[0] < v[1] <= 1, "LOW HIGH with 0 <= LOW < HIGH <= 1"),
+    "overlong_buffer": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "eps_low": (lambda v: 0 <= v <= 1, "in [0, 1]"), "eps_high": (lambda v: v >= 0, ">= 0"),
+    "kl_coef": (lambda v: v >= 0, ">= 0 (0: off)"), "tis_cap": (lambda v: v > 0, "> 0"),
+    "mask_window": (lambda v: 0 <= v[0] < v[1], "LOW HIGH with 0 <= LOW < HIGH"),
+    "epochs": (lambda v: v >= 1, ">= 1"), "minibatches": (lambda v: v >= 1, ">= 1"),
+    "device_batch_tokens": (lambda v: v >= 1, ">= 1"), "lr_frac": (lambda v: v > 0, "> 0"),
+    "warmup_steps": (lambda v: v >= 0, ">= 0 (0: none)"), "max_grad_norm": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "eval_every": (lambda v: v >= 0, ">= 0 (0: only at the start and the end)"),
+    "eval_problems": (lambda v: v >= 1, ">= 1"), "eval_samples": (lambda v: v >= 1, ">= 1"),
+    "save_every": (lambda v: v >= 0, ">= 0 (0: only the final checkpoint)"),
+    "ptgs_target": (lambda v: 0 < v < 1, "in (0, 1)"), "ptgs_tau": (lambda v: v >= 1, ">= 1"),
+    "ptgs_gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"), "ptgs_prior": (lambda v: v > 0, "> 0"),
+}
+
+
+def check_numeric_flags(parser, args, rules):
+    """parser.error (one line, exit 2) on the first flag of `rules` ({dest: (test, text)}) whose value fails."""
+    for dest, (ok, must) in rules.items():
+        if not ok(getattr(args, dest)):
+            parser.error(f"--{dest.replace('_', '-')} must be {must}, got {getattr(args, dest)}")
+
+
 def finish_args(parser, args):
-    """Fill the preset's and the loss kind's defaults, then refuse the combinations that cannot run."""
+    """Fill the preset's and the loss kind's defaults, then refuse the values and combinations that cannot run."""
     args.fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
@@ -929,6 +964,9 @@ def finish_args(parser, args):
                          f"got {args.dual_clip}")
     if args.kl_coef is None:
         args.kl_coef = 0.05 if args.reward == "rm" else 0.0
+    check_numeric_flags(parser, args, NUMERIC_FLAGS)
+    if args.overlong_buffer > args.max_tokens:
+        parser.error(f"--overlong-buffer {args.overlong_buffer} is longer than --max-tokens {args.max_tokens}")
     if args.reward == "rm" and args.rm_ckpt is None:
         parser.error("--reward rm needs --rm-ckpt PATH (a checkpoint written by rm.py)")
     if args.reward == "rm" and args.overlong_buffer:

@@ -599,3 +599,39 @@ def test_dual_clip_must_exceed_one_and_is_counted_as_clipped():
     logp = leaf([[math.log(4.0)], [math.log(1.5)]])
     _, stats = rl.policy_loss(logp, torch.zeros(2, 1), torch.tensor([-1.0, -1.0]), torch.ones(2, 1), dual_clip=3.0)
     assert stats["clip_high"] == 0.5 and stats["clip_low"] == 0.0
+
+
+@pytest.mark.parametrize("stage, flag, value", [
+    (rl, "--num-steps", "0"), (rl, "--prompts-per-step", "0"), (rl, "--group-size", "1"), (rl, "--max-tokens", "0"),
+    (rl, "--train-size", "0"), (rl, "--temperature", "0"), (rl, "--eval-temperature", "-1"), (rl, "--top-k", "0"),
+    (rl, "--top-p", "1.5"), (rl, "--max-sampling-rounds", "0"), (rl, "--oversample", "0.5"),
+    (rl, "--difficulty-samples", "0"), (rl, "--overlong-buffer", "-1"), (rl, "--overlong-buffer", "9"),
+    (rl, "--eps-low", "-0.1"), (rl, "--eps-high", "-0.1"), (rl, "--kl-coef", "-1"), (rl, "--tis-cap", "0"),
+    (rl, "--epochs", "0"), (rl, "--minibatches", "0"), (rl, "--device-batch-tokens", "0"), (rl, "--lr-frac", "0"),
+    (rl, "--warmup-steps", "-1"), (rl, "--max-grad-norm", "-1"), (rl, "--eval-every", "-1"),
+    (rl, "--eval-problems", "0"), (rl, "--eval-samples", "0"), (rl, "--save-every", "-1"),
+    (rl, "--ptgs-target", "1"), (rl, "--ptgs-tau", "0.5"), (rl, "--ptgs-gamma", "2"), (rl, "--ptgs-prior", "0"),
+    ("ppo", "--gamma", "1.5"), ("ppo", "--lam", "-0.5"), ("ppo", "--value-clip", "0"),
+    ("ppo", "--critic-lr-frac", "0"),
+])
+def test_numeric_flags_out_of_range_are_refused_up_front(capsys, stage, flag, value):
+    stage = __import__(stage) if isinstance(stage, str) else stage
+    with pytest.raises(SystemExit):
+        stage.parse_args(["--preset", "tiny", "--max-tokens", "8", flag, value])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert flag in error and "must be" in error or "longer than" in error, error
+
+
+@pytest.mark.parametrize("flags", [["--mask-window", "2", "1"], ["--difficulty-filter", "0.9", "0.1"]])
+def test_numeric_pairs_out_of_order_are_refused_up_front(capsys, flags):
+    with pytest.raises(SystemExit):
+        rl.parse_args(["--preset", "tiny", *flags])
+    assert flags[0] in capsys.readouterr().err
+
+
+def test_eval_every_zero_evaluates_only_at_the_start_and_the_end(monkeypatch, tmp_path, checkpoint, capsys):
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "2", "--eval-every", "0", "--save-every", "0")
+    text = capsys.readouterr().out
+    assert "eval step 0" in text and "eval step 1" not in text and "eval step 2" in text
+    assert rl.plan(rl.parse_args(["--preset", "small", "--eval-every", "0"]), GPTConfig(
+        sequence_len=1024, vocab_size=400, n_layer=2, n_head=2, n_kv_head=2, n_embd=64))
