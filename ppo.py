@@ -222,7 +222,7 @@ def main(argv=None):
         state = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
                  "source_totals": dict(source_totals), "critic": critic.state_dict(),
                  "critic_optimizers": [o.state_dict() for o in critic_optimizers]}
-        if rollouts.ptgs is not None:  # rank 0's controller (each rank keeps its own; its prompts differ)
+        if rollouts.ptgs is not None:  # the same counts on every rank (Rollouts gathers the outcomes of all)
             state["ptgs"] = rollouts.ptgs.state_dict()
         save_checkpoint(out, step, model, {"stage": "ppo", "source": str(ckpt), "args": vars(args),
                                            "finished": finished, "eval": history[-1] if history else None},

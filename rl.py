@@ -218,7 +218,7 @@ def main(argv=None):
             return
         state = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
                  "source_totals": dict(source_totals)}
-        if rollouts.ptgs is not None:  # rank 0's controller (each rank keeps its own; its prompts differ)
+        if rollouts.ptgs is not None:  # the same counts on every rank (Rollouts gathers the outcomes of all)
             state["ptgs"] = rollouts.ptgs.state_dict()
         save_checkpoint(out, step, model, {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
                                            "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=state)

@@ -764,7 +764,9 @@ class TemperatureController:
         T = T_ref * tau ** ((q - p) / (1 - q))    if p > q    (an easy task: down to T_ref / tau, sharpen)
 
     so T = T_ref at p = q. With q = 0.5, tau = 1.5, T_ref = 1 the draws 0.1, 0.5, 0.9 give 1.5^0.8 = 1.383,
-    1.000 and 1.5^-0.8 = 0.723. The state (counts and the RNG) goes into the checkpoint.
+    1.000 and 1.5^-0.8 = 0.723. The state (counts and the RNG) goes into the checkpoint. Under several ranks
+    (Rollouts) every rank applies every rank's outcomes of a step, so the counts are the same on all of them, and
+    each rank reseeds the RNG per step from (seed, step, rank): rank 0's saved counts restore every rank.
     """
 
     def __init__(self, target=0.5, tau=1.5, t_ref=1.0, gamma=0.9, prior_strength=2.0, seed=0):
@@ -972,6 +974,10 @@ def finish_args(parser, args):
     if args.reward == "rm" and args.overlong_buffer:
         parser.error("--overlong-buffer shapes verifier rewards; it does not apply to --reward rm")
     parse_task_mixture(args.task)  # a bad --task fails before any model is loaded
+    if args.ptgs and args.reward == "rm":
+        parser.error("--ptgs with --reward rm: the controller learns each task's success rate from the verifier, "
+                     "not from the reward model's score that is optimised (with no verifier every task looks "
+                     "unsolved and temperatures climb to the cap); use one or the other")
     if args.async_rollouts and args.ptgs:
         raise ValueError("--async with --ptgs is not supported: the controller would draw in the worker from a "
                          "posterior the learner updates; use one or the other")
@@ -1047,10 +1053,10 @@ class Rollouts:
         self.args, self.engine, self.task, self.reward_model, self.adv = args, engine, task, reward_model, adv
         self.device = next(engine.model.parameters()).device
         self.pad_id = engine.tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
-        self.ptgs = None
-        if args.ptgs:  # each rank keeps its own controller (its prompts differ)
+        self.rank, self.ptgs = rank, None
+        if args.ptgs:  # one controller, the same on every rank: each step's outcomes are gathered from all ranks
             self.ptgs = TemperatureController(args.ptgs_target, args.ptgs_tau, args.temperature, args.ptgs_gamma,
-                                              args.ptgs_prior, seed=mix_seed(args.seed, "ptgs", rank))
+                                              args.ptgs_prior)
             if ptgs_state is not None:
                 self.ptgs.load_state_dict(ptgs_state)
         self.sample_kwargs = dict(
@@ -1071,7 +1077,7 @@ class Rollouts:
         stats, per-source counters, rm_score_sum) and, under --async, {"rollout_s", "ages"}.
         """
         args = self.args
-        by_source, kept_sources = source_tally(self.task.tasks), []
+        by_source, kept_sources, outcomes = source_tally(self.task.tasks), [], []
 
         def on_group(conversation, rewards, errors, kept):
             name = conversation["source"]
@@ -1081,14 +1087,24 @@ class Rollouts:
                 kept_sources.append(name)
             if self.ptgs is not None:  # every scored group, before zero-contrast groups are dropped
                 valid = [r for r, error in zip(rewards, errors) if not error]
-                self.ptgs.update(conversation["task_id"], sum(r > 0 for r in valid), sum(r <= 0 for r in valid))
+                outcomes.append((conversation["task_id"], sum(r > 0 for r in valid), sum(r <= 0 for r in valid)))
 
         info = {}
         if self.worker is None:
-            temperature_of = (lambda c: round(self.ptgs.draw(c["task_id"]), 2)) if self.ptgs else None
+            temperature_of = None
+            if self.ptgs is not None:  # this rank's draws: a stream of its own per step, so a resume redraws them
+                self.ptgs.rng.seed(mix_seed(args.seed, "ptgs", step, self.rank))
+                temperature_of = lambda c: round(self.ptgs.draw(c["task_id"]), 2)  # noqa: E731
             with autocast_ctx(self.device):
                 groups, rollout = sample_groups(self.engine, self.task, seed=mix_seed(args.seed, step),
                                                 **self.sample_kwargs, on_group=on_group, temperature_of=temperature_of)
+            if self.ptgs is not None:  # every rank's outcomes, in rank order: the posteriors see all the evidence
+                everyone = [outcomes]
+                if dist.is_initialized():
+                    everyone = [None] * dist.get_world_size()
+                    dist.all_gather_object(everyone, outcomes)
+                for task_id, successes, failures in (o for rank_outcomes in everyone for o in rank_outcomes):
+                    self.ptgs.update(task_id, successes, failures)
         else:  # the batch the worker sampled with older weights; then, with delay 1, ask for the next one at once
             _, version, groups, rollout, records, info["rollout_s"] = self.worker.result()
             for source, kept in records:

@@ -396,12 +396,16 @@ import {stage} as stage, rollout
 from engine import Engine
 task = getattr(importlib.import_module({task!r}.rpartition(".")[0]), {task!r}.rpartition(".")[2])
 rollout.task_by_name = lambda name, split, size: task(split, size=64)
-models = []
+models, rollouts, Rollouts = [], [], stage.Rollouts
 stage.Engine = lambda model, tokenizer: models.append(model) or Engine(model, tokenizer)  # keep each rank's model
+stage.Rollouts = lambda *args, **kwargs: rollouts.append(Rollouts(*args, **kwargs)) or rollouts[-1]
 stage.main(sys.argv[1:])
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in models[0].parameters())).hexdigest()
 with open(os.path.join({out!r}, "rank" + os.environ["RANK"]), "w") as f:
     f.write(digest)
+if rollouts and rollouts[0].ptgs is not None:  # the rank's PTGS counts at the end
+    with open(os.path.join({out!r}, "ptgs" + os.environ["RANK"]), "w") as f:
+        f.write(repr(sorted(rollouts[0].ptgs.counts.items())))
 """
 
 
@@ -599,6 +603,25 @@ def test_dual_clip_must_exceed_one_and_is_counted_as_clipped():
     logp = leaf([[math.log(4.0)], [math.log(1.5)]])
     _, stats = rl.policy_loss(logp, torch.zeros(2, 1), torch.tensor([-1.0, -1.0]), torch.ones(2, 1), dual_clip=3.0)
     assert stats["clip_high"] == 0.5 and stats["clip_low"] == 0.0
+
+
+@pytest.mark.slow
+def test_torchrun_ptgs_controller_is_the_same_on_both_ranks_and_after_a_resume(tmp_path, checkpoint):
+    # Each rank applies the outcomes of every rank's groups: one controller, saved by rank 0 and restored to all.
+    flags = ["--num-steps", "2", "--save-every", "1", "--ptgs", "--ptgs-gamma", "1", "--no-filter-zero-contrast"]
+    torchrun(tmp_path, checkpoint, *flags)
+    ends = [(tmp_path / f"{name}{rank}").read_text() for name in ("ptgs", "rank") for rank in range(2)]
+    assert ends[0] == ends[1] and ends[2] == ends[3]
+    assert sum(s + f for _, (s, f) in eval(ends[0])) == 2 * 4 * 4  # both steps' 4 groups of 4 answers each
+    (tmp_path / "rl" / "latest").write_text("step_000001")  # interrupted after step 1
+    torchrun(tmp_path, checkpoint, *flags, "--resume")
+    assert [(tmp_path / f"{name}{rank}").read_text() for name in ("ptgs", "rank") for rank in range(2)] == ends
+
+
+def test_ptgs_is_refused_with_a_reward_model(capsys):
+    with pytest.raises(SystemExit):
+        rl.parse_args(["--preset", "tiny", "--ptgs", "--reward", "rm", "--rm-ckpt", "x"])
+    assert "--ptgs with --reward rm" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("stage, flag, value", [
