@@ -10,9 +10,12 @@ Reinforcement learning from verifiable rewards: the GRPO family, one loop, every
     torchrun --nproc_per_node=8 rl.py --preset full --task ultrafeedback --reward rm --rm-ckpt CK/rm --out CK/rlhf
 
 RL from a reward model, the older RLHF recipe's reward (Ziegler et al. 2019; Ouyang et al. 2022):
-    --reward rm     each completion is scored by a reward model of rm.py (normalize_scores: z-scored per step); the
-                    KL penalty to the reference is then on by default (0.05). The verifier still measures: reward
-                    accuracy and held-out pass@1 are logged next to the reward model's score.
+    --reward rm     each completion is scored by a reward model of rm.py (normalize_scores: z-scored per step over
+                    every rank); the KL penalty to the reference is then on by default (0.05), and the group
+                    advantages are not divided by the group's std (Dr. GRPO, --adv-scale none): dynamic sampling is
+                    off for a scalar reward, so a group whose scores nearly tie would otherwise get advantages as
+                    large as a real contrast. The verifier still measures: reward accuracy and held-out pass@1 are
+                    logged next to the reward model's score.
 PPO with a critic and GAE is its own stage, ppo.py. The rollouts (prompts, sampling, scoring, the learner's rows) and
 the objective's math (group_advantages, policy_loss, kl_penalty, mismatch_weights) live in rollout.py, shared by both.
 
@@ -143,10 +146,15 @@ def parse_args(argv=None):
                     out="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)",
                     resume="continue from the latest checkpoint in --out; exit if it is finished")
     add_flags(parser)
-    parser.add_argument("--adv-scale", choices=["std", "none"], default="std", help="std: GRPO; none: Dr. GRPO")
+    parser.add_argument("--adv-scale", choices=["std", "none"], default=None,
+                        help="std: GRPO; none: Dr. GRPO (default: std, none with --reward rm: a group of near-tied "
+                             "scores divided by its tiny std would get full-size advantages)")
     parser.add_argument("--adv-baseline", choices=["mean", "loo"], default="mean",
                         help="mean: GRPO; loo: RLOO leave-one-out")
-    return finish_args(parser, parser.parse_args(argv))
+    args = finish_args(parser, parser.parse_args(argv))
+    if args.adv_scale is None:
+        args.adv_scale = "none" if args.reward == "rm" else "std"
+    return args
 
 
 def main(argv=None):

@@ -250,3 +250,12 @@ def test_torchrun_ppo_with_a_rank_without_valid_tokens_stays_finite_and_identica
     assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text()
     final, _, _ = load_model(tmp_path / "rl", "cpu")
     assert all(torch.isfinite(p).all() for p in final.state_dict().values())
+
+
+def test_rl_from_a_reward_model_does_not_scale_near_ties_to_full_size_advantages():
+    # A group scored 1.499-1.502: std scaling makes it +-1.34, as large as a real contrast; Dr. GRPO keeps it tiny.
+    scores = torch.tensor([1.499, 1.500, 1.501, 1.502])
+    close(rl.group_advantages(scores, 4, scale="std"), [-1.3416, -0.4472, 0.4472, 1.3416], atol=2e-3)
+    args = rl.parse_args(["--preset", "tiny", "--reward", "rm", "--rm-ckpt", "x"])
+    assert args.adv_scale == "none" and rl.parse_args(["--preset", "tiny"]).adv_scale == "std"
+    close(rl.group_advantages(scores, 4, scale=args.adv_scale), [-0.0015, -0.0005, 0.0005, 0.0015], atol=1e-5)
