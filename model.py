@@ -380,8 +380,13 @@ class ScalarHeadModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx):
-        """idx (B, T) -> scores (B, T) float32: the head read after every token."""
-        return self.head(self.gpt.hidden(idx)).squeeze(-1).float()
+        """
+        idx (B, T) -> scores (B, T) float32: the head read after every token. The head runs in float32 even under
+        bf16 autocast: a score is one number whose small differences are the signal (bf16 keeps 8 bits of it).
+        """
+        hidden = self.gpt.hidden(idx)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            return self.head(hidden.float()).squeeze(-1)
 
     def setup_optimizers(self, matrix_lr, embedding_lr, unembedding_lr, weight_decay=0.0):
         """The trunk's [AdamW, Muon] (GPT.setup_optimizers), with the head in the AdamW at lm_head's learning rate."""

@@ -259,3 +259,17 @@ def test_rl_from_a_reward_model_does_not_scale_near_ties_to_full_size_advantages
     args = rl.parse_args(["--preset", "tiny", "--reward", "rm", "--rm-ckpt", "x"])
     assert args.adv_scale == "none" and rl.parse_args(["--preset", "tiny"]).adv_scale == "std"
     close(rl.group_advantages(scores, 4, scale=args.adv_scale), [-0.0015, -0.0005, 0.0005, 0.0015], atol=1e-5)
+
+
+def test_scalar_head_scores_in_float32_under_bf16_autocast(model, tokenizer):
+    # The reward model's and the critic's head: under autocast a bf16 head rounds scores to ~3 significant digits.
+    torch.manual_seed(0)
+    head = ScalarHeadModel(model)
+    torch.nn.init.normal_(head.head.weight, std=1.0)
+    torch.nn.init.normal_(head.head.bias, std=1.0)
+    idx = torch.tensor([tokenizer.encode("What is 12 + 30? Answer briefly.")])
+    with torch.no_grad(), torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        scores, hidden = head(idx), head.gpt.hidden(idx)
+    expected = hidden.float() @ head.head.weight[0] + head.head.bias
+    assert scores.dtype == torch.float32
+    close(scores, expected, atol=1e-5)
