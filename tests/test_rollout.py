@@ -56,11 +56,14 @@ def test_planted_contamination_is_removed():
     assert all(kept[k]["messages"][0]["content"] != GSM8K_LIKE for k in range(len(kept)))
 
 
-def test_short_eval_texts_match_whole_texts_only():
-    index = tasks.NgramIndex(["What is 17 + 25?"])
+def test_short_eval_texts_match_as_runs_inside_training_texts():
+    index = tasks.NgramIndex(["What is 17 + 25?", "Define entropy."])
     assert index.overlaps("  WHAT is 17+25 ")  # normalised: case, spacing and punctuation do not matter
     assert not index.overlaps("What is 17 * 25?")  # operators are words: another question
-    assert not index.overlaps("Question: What is 17 + 25?\nAnswer: 42")  # a short text inside a document is not a copy
+    assert not index.overlaps("What is 17 + 250?")  # a run of whole words, not of characters
+    assert index.overlaps("What is 17 + 25? Answer briefly.")  # the tiny prompt template around a test question
+    assert index.overlaps("Question: What is 17 + 25?\nAnswer: 42")
+    assert index.overlaps("define entropy") and not index.overlaps("We define entropy as ...")  # < 5 words: whole
 
 
 def test_pretraining_batches_skip_rejected_documents_and_keep_indices(tokenizer):  # noqa: F811
@@ -73,7 +76,7 @@ def test_pretraining_batches_skip_rejected_documents_and_keep_indices(tokenizer)
 
 
 def test_tiny_training_data_is_untouched_by_default():
-    for script in ("pretrain", "sft", "dpo", "rl"):
+    for script in ("pretrain", "sft", "dpo", "rl", "rm"):
         module = __import__(script)
         assert module.PRESETS["tiny"]["decontaminate"] is False and module.PRESETS["full"]["decontaminate"] is True
 
