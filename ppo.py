@@ -214,7 +214,7 @@ def main(argv=None):
         history.append(evaluate_held_out(engine, test_task, eval_indices, args, 0, reward_model))
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
     rollouts = Rollouts(args, engine, train_task, out if resume else ckpt, start_step, reward_model,
-                        ptgs_state=extra.get("ptgs"))
+                        state=extra)
 
     def save(step, finished):
         if rank != 0:
@@ -222,8 +222,7 @@ def main(argv=None):
         state = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
                  "source_totals": dict(source_totals), "critic": critic.state_dict(),
                  "critic_optimizers": [o.state_dict() for o in critic_optimizers]}
-        if rollouts.ptgs is not None:  # the same counts on every rank (Rollouts gathers the outcomes of all)
-            state["ptgs"] = rollouts.ptgs.state_dict()
+        state.update(rollouts.state_dict())  # PTGS counts, the --async worker's pending weights
         save_checkpoint(out, step, model, {"stage": "ppo", "source": str(ckpt), "args": vars(args),
                                            "finished": finished, "eval": history[-1] if history else None},
                         tokenizer=tokenizer, extra=state)

@@ -75,7 +75,9 @@ from the tiny DPO checkpoint, same seed, one sitting; pass@1 / pass@8 on 128 hel
                          prompt rarely recurs, so its posterior stays the prior: off.
     --async              overlapped rollouts (RolloutWorker): a worker process samples step k + 1 with the weights
                          of step k while the learner updates on step k; truncated importance sampling (--mismatch tis)
-                         corrects the one-step staleness. Tiny: pass@1 0.972 vs 0.976 synchronous, pass@8 1.000
+                         corrects the one-step staleness (--mismatch none is refused); groups older than
+                         --max-policy-age (1) are dropped and counted; a resumed run asks for its first step with the
+                         checkpointed one-update-old weights, so it continues bit for bit. Tiny: pass@1 0.972 vs 0.976 synchronous, pass@8 1.000
                          both; the 20 steps took 814 s vs 1244 s (1.53x) with policy age 1 and 185 s of learner idle,
                          on a machine oversubscribed by other jobs, where a second process also gets a larger share of
                          the cores: off until measured on an idle machine.
@@ -233,15 +235,14 @@ def main(argv=None):
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
     # The worker of --async loads the checkpoint the policy came from (out on resume); weights come per job.
     rollouts = Rollouts(args, engine, train_task, out if resume else ckpt, start_step, reward_model,
-                        adv=(args.adv_scale, args.adv_baseline), ptgs_state=extra.get("ptgs"))
+                        adv=(args.adv_scale, args.adv_baseline), state=extra)
 
     def save(step, finished):
         if rank != 0:
             return
         state = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
                  "source_totals": dict(source_totals)}
-        if rollouts.ptgs is not None:  # the same counts on every rank (Rollouts gathers the outcomes of all)
-            state["ptgs"] = rollouts.ptgs.state_dict()
+        state.update(rollouts.state_dict())  # PTGS counts, the --async worker's pending weights
         save_checkpoint(out, step, model, {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
                                            "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=state)
 

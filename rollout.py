@@ -451,8 +451,9 @@ class RolloutWorker:
     """
     Overlapped rollouts (--async; AReaL, Fu et al. 2025; verl's one-step off-policy mode): a separate process with
     its own copy of the model generates the groups of a step while the learner updates on the previous ones.
-    submit(step, version, model, seed) sends the learner's current weights (version: the number of updates behind
-    them) and asks for step's groups; result() waits for the next batch. Every group records the version that
+    submit(step, version, weights, seed) sends a state dict of the policy (version: the number of updates behind
+    it) and asks for step's groups; `pending` keeps the last job's {"version", "weights"}, what a checkpoint stores
+    so that a resumed run asks for its first step with the same weights as the uninterrupted run; result() waits for the next batch. Every group records the version that
     sampled it (all its completions share it) and its completions the behavior log-probs of that version, so the learner's mismatch correction (mismatch_weights:
     pi_learner / pi_behavior, truncated) covers the staleness as it covers the engine/trainer gap. With delay 1 the
     loop submits step k + 1 with the weights of step k before it updates on step k; with delay 0 after the update:
@@ -467,8 +468,9 @@ class RolloutWorker:
                                              self.jobs, self.results))
         self.process.start()
 
-    def submit(self, step, version, model, seed):
-        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    def submit(self, step, version, weights, seed):
+        state = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+        self.pending = {"version": version, "weights": state}
         self.jobs.put((step, version, state, seed))
 
     def result(self):
@@ -482,6 +484,18 @@ class RolloutWorker:
     def close(self):
         self.jobs.put(None)
         self.process.join(timeout=30)
+
+
+def fresh_groups(groups, sources, step, max_age):
+    """
+    The staleness bound of overlapped rollouts (AReaL, Fu et al. 2025: at most eta versions between sampler and
+    learner): (the groups sampled at most max_age updates before `step`, their entries of `sources`, how many were
+    dropped). A group's age is step - group["version"]; the truncated importance weight (mismatch_weights) corrects
+    a small sampler/learner gap, not an arbitrarily old policy.
+    """
+    fresh = [step - group["version"] <= max_age for group in groups]
+    return ([g for g, keep in zip(groups, fresh) if keep], [s for s, keep in zip(sources, fresh) if keep],
+            fresh.count(False))
 
 
 def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64,
@@ -882,6 +896,9 @@ def add_flags(parser):
              "updates on step k (one step off policy; see RolloutWorker)")
     add("--async-delay", type=int, choices=(0, 1), default=1,
         help="policy versions between sampler and learner under --async (0: no overlap, the synchronous batches)")
+    add("--max-policy-age", type=int, default=1,
+        help="under --async, groups sampled more than this many updates before the learner's step are dropped and "
+             "counted (rollout/stale_groups); at least --async-delay")
     add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
     add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
     add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
@@ -969,6 +986,7 @@ NUMERIC_FLAGS = {
     "save_every": (lambda v: v >= 0, ">= 0 (0: only the final checkpoint)"),
     "ptgs_target": (lambda v: 0 < v < 1, "in (0, 1)"), "ptgs_tau": (lambda v: v >= 1, ">= 1"),
     "ptgs_gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"), "ptgs_prior": (lambda v: v > 0, "> 0"),
+    "max_policy_age": (lambda v: v >= 0, ">= 0"),
 }
 
 
@@ -1017,6 +1035,12 @@ def finish_args(parser, args):
         parser.error("--ptgs with --reward rm: the controller learns each task's success rate from the verifier, "
                      "not from the reward model's score that is optimised (with no verifier every task looks "
                      "unsolved and temperatures climb to the cap); use one or the other")
+    if args.async_rollouts and args.max_policy_age < args.async_delay:
+        parser.error(f"--max-policy-age {args.max_policy_age} is below --async-delay {args.async_delay}: every "
+                     "overlapped batch would be dropped as stale")
+    if args.async_rollouts and args.async_delay > 0 and args.mismatch == "none":
+        parser.error("--async samples with weights one update old; --mismatch none would train on them uncorrected: "
+                     "use --mismatch tis or mask (or --async-delay 0)")
     if args.async_rollouts and args.ptgs:
         raise ValueError("--async with --ptgs is not supported: the controller would draw in the worker from a "
                          "posterior the learner updates; use one or the other")
@@ -1087,10 +1111,13 @@ class Rollouts:
     PTGS temperatures (--ptgs), the reward model's scores (--reward rm) and the per-source accounting.
     worker_ckpt: the checkpoint the worker process loads its tokenizer and model from (weights come per job).
     adv: (scale, baseline) of the group advantages the per-source loss mass is counted with.
+    state: what state_dict() saved in the checkpoint resumed from (the PTGS counts; under --async the weights the
+    worker was asked to sample the next step with: one update older than the checkpoint's with --async-delay 1).
     """
 
     def __init__(self, args, engine, task, worker_ckpt, start_step, reward_model=None, adv=("std", "mean"),
-                 ptgs_state=None):
+                 state=None):
+        state = state or {}
         _, rank, _, world_size = get_dist_info()
         self.args, self.engine, self.task, self.reward_model, self.adv = args, engine, task, reward_model, adv
         self.device = next(engine.model.parameters()).device
@@ -1099,8 +1126,8 @@ class Rollouts:
         if args.ptgs:  # one controller, the same on every rank: each step's outcomes are gathered from all ranks
             self.ptgs = TemperatureController(args.ptgs_target, args.ptgs_tau, args.temperature, args.ptgs_gamma,
                                               args.ptgs_prior)
-            if ptgs_state is not None:
-                self.ptgs.load_state_dict(ptgs_state)
+            if "ptgs" in state:
+                self.ptgs.load_state_dict(state["ptgs"])
         self.sample_kwargs = dict(
             num_groups=args.prompts_per_step // world_size, group_size=args.group_size, max_tokens=args.max_tokens,
             sampling=dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
@@ -1110,13 +1137,25 @@ class Rollouts:
         self.worker = None
         if args.async_rollouts:
             self.worker = RolloutWorker(worker_ckpt, self.device, task, self.sample_kwargs)
-            self.worker.submit(start_step, start_step, engine.model, mix_seed(args.seed, start_step))
+            sampler = state.get("sampler", {"version": start_step, "weights": engine.model.state_dict()})
+            self.worker.submit(start_step, sampler["version"], sampler["weights"], mix_seed(args.seed, start_step))
+
+    def state_dict(self):
+        """What a checkpoint keeps so that a resumed run continues exactly: the PTGS counts (the same on every rank:
+        each step's outcomes are gathered from all) and the worker's pending job's version and weights."""
+        state = {}
+        if self.ptgs is not None:
+            state["ptgs"] = self.ptgs.state_dict()
+        if self.worker is not None:
+            state["sampler"] = self.worker.pending
+        return state
 
     def next_groups(self, step):
         """
         (groups, tally, info) of this rank for `step`: the kept groups (sample_groups' layout; under --reward rm their
         rewards are the reward model's normalised scores), the rollout's counts to reduce over ranks (sample_groups'
-        stats, per-source counters, rm_score_sum) and, under --async, {"rollout_s", "ages"}.
+        stats, per-source counters, rm_score_sum) and, under --async, {"rollout_s", "ages"}; under --async the groups
+        older than --max-policy-age are dropped (fresh_groups) and counted in the tally's "stale_groups".
         """
         args = self.args
         by_source, kept_sources, outcomes = source_tally(self.task.tasks), [], []
@@ -1152,8 +1191,10 @@ class Rollouts:
             for source, kept in records:
                 on_group({"source": source}, [], [], kept)
             info["ages"] = [step - group["version"] for group in groups] or [step - version]
+            groups, kept_sources, rollout["stale_groups"] = fresh_groups(groups, kept_sources, step,
+                                                                         args.max_policy_age)
             if args.async_delay == 1 and step + 1 < args.num_steps:
-                self.worker.submit(step + 1, step, self.engine.model, mix_seed(args.seed, step + 1))
+                self.worker.submit(step + 1, step, self.engine.model.state_dict(), mix_seed(args.seed, step + 1))
         rm_score_sum = 0.0
         if self.reward_model is not None:  # --reward rm: the reward model's normalised scores replace the verifier's
             raw = reward_model_scores(self.reward_model, groups, self.pad_id, self.device,
@@ -1168,7 +1209,7 @@ class Rollouts:
     def after_update(self, step):
         """--async --async-delay 0: ask for step + 1's groups with the weights this step's update produced."""
         if self.worker is not None and self.args.async_delay == 0 and step + 1 < self.args.num_steps:
-            self.worker.submit(step + 1, step + 1, self.engine.model, mix_seed(self.args.seed, step + 1))
+            self.worker.submit(step + 1, step + 1, self.engine.model.state_dict(), mix_seed(self.args.seed, step + 1))
 
     def close(self):
         if self.worker is not None:
@@ -1305,7 +1346,8 @@ def step_metrics(tally, optimizer_steps, grad_norms, seconds, info, sources, sou
     if "rollout_s" in info:  # --async: rollout is the worker's generation time; idle the learner waiting for it
         metrics.update({"time/rollout_s": info["rollout_s"], "time/idle_s": rollout_s,
                         "time/rollout_tokens_per_s": tally["length_sum"] / max(info["rollout_s"], 1e-9),
-                        "policy/age_mean": sum(info["ages"]) / len(info["ages"]), "policy/age_max": max(info["ages"])})
+                        "policy/age_mean": sum(info["ages"]) / len(info["ages"]), "policy/age_max": max(info["ages"]),
+                        "rollout/stale_groups": tally["stale_groups"]})
     if tally["loss_tokens"]:
         metrics.update({"policy/ratio_mean": tally["ratio_sum"] / loss_tokens,
                         "policy/ratio_min": tally["ratio_min"], "policy/ratio_max": tally["ratio_max"]})

@@ -264,7 +264,7 @@ def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp
             p.add_(0.05 * torch.randn_like(p))
     worker = rollout.RolloutWorker(checkpoint, "cpu", task, kwargs)
     try:
-        worker.submit(5, 4, model, seed=0)  # step 5's groups with the weights after 4 updates
+        worker.submit(5, 4, model.state_dict(), seed=0)  # step 5's groups with the weights after 4 updates
         step, version, groups, _, records, seconds = worker.result()
     finally:
         worker.close()
@@ -283,6 +283,25 @@ def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp
     # and the learner sees it: its log-probs differ from the behavior ones once the sampler is a version behind
     gaps = [float(line.split("| gap ")[1].split()[0]) for line in lines]
     assert gaps[0] < 1e-5 and min(gaps[1:]) > 1e-3
+
+
+def test_groups_older_than_the_max_policy_age_are_dropped_and_counted():
+    groups = [{"version": v, "id": i} for i, v in enumerate([4, 3, 2, 4, 1])]
+    kept, sources, dropped = rollout.fresh_groups(groups, list("abcde"), step=4, max_age=1)
+    assert [g["id"] for g in kept] == [0, 1, 3] and sources == list("abd") and dropped == 2
+    assert rollout.fresh_groups(groups, list("abcde"), step=4, max_age=3)[2] == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--async", "--mismatch", "none"], "uncorrected"),
+    (["--async", "--max-policy-age", "0"], "below --async-delay"),
+    (["--max-policy-age", "-1"], ">= 0"),
+])
+def test_overlapped_rollouts_refuse_uncorrected_or_always_stale_batches(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        rl.parse_args(flags)
+    assert message in capsys.readouterr().err
+    rl.parse_args(["--async", "--async-delay", "0", "--mismatch", "none", "--max-policy-age", "0"])  # on-policy
 
 
 # -----------------------------------------------------------------------------
