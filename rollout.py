@@ -777,7 +777,7 @@ def difficulty_filter(engine, mixture, n, low, high, max_tokens, sampling, seed,
     """
     Sample n answers to every prompt of the mixture with the starting checkpoint and keep those with
     difficulty_keep. Prints the histogram of success counts and the kept count. The counts are cached in `cache`
-    (a json file whose name keys the checkpoint, task, n and sampling) and reused when it exists.
+    (a json file in the checkpoint, named by difficulty_cache_key) and reused when it exists.
     Returns (the kept mixture, the success counts).
     """
     if cache.exists():
@@ -1086,19 +1086,34 @@ def prepare_prompts(args, world_size):
     return train_task, test_task, eval_indices, decontaminated
 
 
+def difficulty_cache_key(args, mixture, sampling):
+    """
+    The key of the difficulty filter's cached success counts: everything they depend on. The prompts themselves
+    (every row's messages, in order: whatever --task, --train-size, --decontaminate, --eval-problems or the preset
+    made of them), the samples per prompt, the token budget, the sampling, the seed, and what scores the answers
+    (the task's verifier, or the judge of --reward judge).
+    """
+    digest = hashlib.sha256()
+    for k in range(len(mixture)):
+        digest.update(json.dumps(mixture[k]["messages"], sort_keys=True).encode())
+    scorer = (args.judge_url, args.judge_model, args.judge_rubric) if args.reward == "judge" else "verifier"
+    return mix_seed(digest.hexdigest(), args.difficulty_samples, args.max_tokens, sorted(sampling.items()), args.seed,
+                    scorer)
+
+
 def difficulty_prompts(args, engine, train_task, ckpt, resume, sampling):
     """--difficulty-filter: the training prompts the start checkpoint neither always nor never solves (cached)."""
     if not args.difficulty_filter:
         return train_task
-    key = mix_seed(args.task, args.train_size, args.decontaminate, args.difficulty_samples, args.max_tokens,
-                   sorted(sampling.items()), args.seed)
-    cache = resolve_checkpoint(ckpt) / f"difficulty_{key:016x}.json"
+    cache = resolve_checkpoint(ckpt) / f"difficulty_{difficulty_cache_key(args, train_task, sampling):016x}.json"
     if resume and not cache.exists():
         raise ValueError(f"--difficulty-filter on resume needs the start checkpoint's counts {cache}; rerun from "
                          "the start checkpoint without --resume")
     with autocast_ctx(next(engine.model.parameters()).device):
         kept, _ = difficulty_filter(engine, train_task, args.difficulty_samples, *args.difficulty_filter,
                                     args.max_tokens, sampling, mix_seed(args.seed, "difficulty"), cache)
+    if len(train_task.tasks) > 1:  # the filter keeps more of a source of the right difficulty: the shares move
+        print0(f"mixture after the difficulty filter: training prompts per source {kept.counts()}")
     if len(kept) < args.prompts_per_step:
         raise ValueError(f"the difficulty filter kept {len(kept)} prompts, fewer than --prompts-per-step "
                          f"{args.prompts_per_step}; widen (LOW, HIGH) or add prompts")

@@ -160,6 +160,34 @@ def test_difficulty_filter_runs_prints_and_caches(monkeypatch, tmp_path, checkpo
     caches[0].unlink()
 
 
+def test_difficulty_cache_key_follows_the_prompts_it_counted(monkeypatch):
+    monkeypatch.setattr(tasks, "evaluation_texts", lambda preset: [])  # only the held-out problems decontaminate
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    keys, sizes = [], []
+    for flags in (["--eval-problems", "4"], ["--eval-problems", "400"], ["--eval-problems", "400"],
+                  ["--eval-problems", "400", "--difficulty-samples", "8"]):
+        args = rl.parse_args(["--preset", "tiny", "--decontaminate", *flags])
+        train_task = rollout.prepare_prompts(args, 1)[0]
+        keys.append(rollout.difficulty_cache_key(args, train_task, sampling))
+        sizes.append(len(train_task))
+    assert sizes[:2] == [5000, 4996]  # 400 held-out problems drop 4 training prompts that share a 13-gram
+    assert keys[0] != keys[1] and keys[1] == keys[2] and keys[3] != keys[2]
+
+
+def test_difficulty_filter_reports_the_mixture_it_leaves(monkeypatch, tmp_path, checkpoint, model, tokenizer, capsys):  # noqa: F811
+    args = rl.parse_args(["--preset", "tiny", "--difficulty-filter", "0.1", "0.9",
+                          "--difficulty-samples", "4", "--prompts-per-step", "2"])
+    mixture = tasks.PromptMixture([("a", LengthParity(size=8), 1.0), ("b", LengthParity(size=8), 1.0)])
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    cache = rollout.resolve_checkpoint(checkpoint) / f"difficulty_{rollout.difficulty_cache_key(args, mixture, sampling):016x}.json"
+    cache.write_text(json.dumps({"successes": [2] * 6 + [0] * 10}))  # a's first 6 of its 8 in range, none of b's
+    try:
+        kept = rollout.difficulty_prompts(args, Engine(model, tokenizer), mixture, checkpoint, None, sampling)
+    finally:
+        cache.unlink()
+    assert len(kept) == 6 and "training prompts per source {'a': 6, 'b': 0}" in capsys.readouterr().out
+
+
 # -----------------------------------------------------------------------------
 # PTGS
 
