@@ -32,11 +32,11 @@ from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_c
                     preempted, print0, resume_or_finish, run_cli, save_checkpoint, synchronize)
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
-from rollout import (PRESETS, Rollouts, add_flags, add_loss_stats, aggregate, all_reduce_gradients, batch_counts,
-                     check_numeric_flags, difficulty_prompts, evaluate_held_out, finish_args, global_moments,
-                     kl_penalty, learner_batches, learner_tally, load_reward_model, policy_loss, prepare_prompts,
-                     print_step, reduce_tally, reference_sampling, report_record, row_sampling, score_old,
-                     step_metrics, token_logprobs, whiten)
+from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, aggregate, all_reduce_gradients,
+                     batch_counts, check_numeric_flags, difficulty_prompts, evaluate_held_out, finish_args,
+                     global_moments, kl_penalty, learner_batches, learner_tally, load_reward_model, policy_loss,
+                     prepare_prompts, print_step, reduce_tally, reference_sampling, report_record, row_sampling,
+                     score_old, step_metrics, token_logprobs, whiten)
 
 # -----------------------------------------------------------------------------
 # The math: per-token rewards, GAE, the clipped value loss
@@ -262,6 +262,7 @@ def main(argv=None):
         moments = global_moments(((m["advantages"], m["mask"]) for m in micros), device)
         for m in micros:
             m["advantages"] = whiten(m["advantages"], m["mask"], moments)
+        account_sources(tally, micros)  # the loss share of each source, from the advantages trained on
         counts, value_counts = batch_counts(minibatches, args.loss_agg, device)
 
         # The update: --epochs passes, one policy and one critic optimizer step per minibatch.

@@ -77,10 +77,10 @@ from the tiny DPO checkpoint, same seed, one sitting; pass@1 / pass@8 on 128 hel
                          of step k while the learner updates on step k; truncated importance sampling (--mismatch tis)
                          corrects the one-step staleness (--mismatch none is refused); groups older than
                          --max-policy-age (1) are dropped and counted; a resumed run asks for its first step with the
-                         checkpointed one-update-old weights, so it continues bit for bit. Tiny: pass@1 0.972 vs 0.976 synchronous, pass@8 1.000
-                         both; the 20 steps took 814 s vs 1244 s (1.53x) with policy age 1 and 185 s of learner idle,
-                         on a machine oversubscribed by other jobs, where a second process also gets a larger share of
-                         the cores: off until measured on an idle machine.
+                         checkpointed one-update-old weights, so it continues bit for bit. Tiny: pass@1 0.972 vs
+                         0.976 synchronous, pass@8 1.000 both; the 20 steps took 814 s vs 1244 s (1.53x) with policy
+                         age 1 and 185 s of learner idle, on a machine oversubscribed by other jobs, where a second
+                         process also gets a larger share of the cores: off until measured on an idle machine.
 """
 
 import argparse
@@ -98,10 +98,10 @@ from common import (ASSUMED_PASS_RATE, FINISHED, HARDWARE, Logger, add_stage_fla
                     save_checkpoint, stage_plan, synchronize)
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
-from rollout import (PRESETS, Rollouts, add_flags, add_loss_stats, aggregate, all_reduce_gradients, batch_counts,
-                     difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches, learner_tally,
-                     load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally, reference_sampling,
-                     report_record, row_sampling, score_old, step_metrics, token_logprobs)
+from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, aggregate, all_reduce_gradients,
+                     batch_counts, difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches,
+                     learner_tally, load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally,
+                     reference_sampling, report_record, row_sampling, score_old, step_metrics, token_logprobs)
 # The objective this stage trains lives in rollout.py, shared with ppo.py (a stage never imports another stage), and
 # is named here as part of rl.py's interface: group_advantages (GRPO / Dr. GRPO / RLOO, applied by
 # rollout.learner_rows), overlong_penalty (DAPO), policy_loss (pg / ppo / gspo / cispo, reduced by aggregate),
@@ -235,7 +235,7 @@ def main(argv=None):
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
     # The worker of --async loads the checkpoint the policy came from (out on resume); weights come per job.
     rollouts = Rollouts(args, engine, train_task, out if resume else ckpt, start_step, reward_model,
-                        adv=(args.adv_scale, args.adv_baseline), state=extra)
+                        state=extra)
 
     def save(step, finished):
         if rank != 0:
@@ -263,6 +263,7 @@ def main(argv=None):
         # ratio is exactly 1, so the learner pass's own log-probs, detached, are the old ones and no extra no-grad
         # pass runs.
         tally = learner_tally(rollout_tally, groups, positions)
+        account_sources(tally, (micro for mb in minibatches for micro in mb))
         old_from_learner = args.epochs == 1 and args.minibatches == 1
         with torch.no_grad():
             for micro in (micro for mb in minibatches for micro in mb):

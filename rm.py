@@ -17,7 +17,8 @@ full: UltraFeedback-binarized (chosen = highest-rated answer, rejected = a lower
 the static synthetic pairs (reference answer vs. one scripted mistake) instead.
 
 Logged on held-out pairs: pair accuracy (r_w > r_l, a tie counted half), mean margin r_w - r_l, mean score
-(r_w + r_l) / 2 (the centring term keeps it near 0). The checkpoint's meta has reward_model: true, so engine.load_model rebuilds a ScalarHeadModel.
+(r_w + r_l) / 2 (the centring term keeps it near 0). The checkpoint's meta has reward_model: true, so
+engine.load_model rebuilds a ScalarHeadModel.
 """
 
 import argparse
@@ -88,8 +89,8 @@ def evaluate_pairs(model, pairs, batch_size, center_coef, pad_id, device):
     for i in range(0, len(pairs), batch_size):
         chosen, rejected = pair_scores(model, pairs[i:i + batch_size], pad_id, device)
         sums += torch.stack([reward_model_loss(chosen, rejected, center_coef).sum(),
-                             pair_accuracy_sum(chosen, rejected), (chosen - rejected).sum(), ((chosen + rejected) / 2).sum(),
-                             torch.tensor(float(len(chosen)), device=device)]).double()
+                             pair_accuracy_sum(chosen, rejected), (chosen - rejected).sum(),
+                             ((chosen + rejected) / 2).sum(), torch.tensor(float(len(chosen)), device=device)]).double()
     if dist.is_initialized():
         dist.all_reduce(sums)
     n = max(float(sums[4]), 1.0)

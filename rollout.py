@@ -853,16 +853,19 @@ def source_tally(sources):
     return {f"source/{name}/{field}": 0.0 for name in sources for field in SOURCE_FIELDS}
 
 
-def account_kept_groups(tally, groups, sources, group_size, adv_scale, adv_baseline, mask_truncated):
+def account_sources(tally, micros):
     """
-    Per source, the kept groups' valid tokens (mask 1) and their loss mass: sum over valid tokens of |A|, the
-    weight each source has in the token-mean policy gradient. Adds to tally (source_tally keys).
+    Per source, the trained rows' valid tokens (mask 1) and their loss mass: sum over valid tokens of |A_t|, the
+    weight each source has in the token-mean policy gradient, from the advantages the loss will use (GRPO's group
+    advantage (B,) on every token of its row; PPO's whitened GAE advantages (B, T)). Adds to tally (source_tally
+    keys); each micro-batch names the source of each row in micro["sources"] (learner_batches).
     """
-    for name in set(sources):
-        mine = [g for g, source in zip(groups, sources) if source == name]
-        for _, mask, _, advantage in learner_rows(mine, group_size, adv_scale, adv_baseline, mask_truncated):
-            tally[f"source/{name}/valid_tokens"] += sum(mask)
-            tally[f"source/{name}/loss_mass"] += abs(advantage) * sum(mask)
+    for micro in micros:
+        advantages = micro["advantages"] if micro["advantages"].dim() == 2 else micro["advantages"][:, None]
+        tokens, mass = micro["mask"].sum(1).tolist(), (advantages.abs() * micro["mask"]).sum(1).tolist()  # (B,)
+        for name, n, m in zip(micro["sources"], tokens, mass):
+            tally[f"source/{name}/valid_tokens"] += n
+            tally[f"source/{name}/loss_mass"] += m
 
 
 # -----------------------------------------------------------------------------
@@ -1125,16 +1128,14 @@ class Rollouts:
     Each step's scored groups (next_groups), synchronous or from the overlapped RolloutWorker (--async), with
     PTGS temperatures (--ptgs), the reward model's scores (--reward rm) and the per-source accounting.
     worker_ckpt: the checkpoint the worker process loads its tokenizer and model from (weights come per job).
-    adv: (scale, baseline) of the group advantages the per-source loss mass is counted with.
     state: what state_dict() saved in the checkpoint resumed from (the PTGS counts; under --async the weights the
     worker was asked to sample the next step with: one update older than the checkpoint's with --async-delay 1).
     """
 
-    def __init__(self, args, engine, task, worker_ckpt, start_step, reward_model=None, adv=("std", "mean"),
-                 state=None):
+    def __init__(self, args, engine, task, worker_ckpt, start_step, reward_model=None, state=None):
         state = state or {}
         _, rank, _, world_size = get_dist_info()
-        self.args, self.engine, self.task, self.reward_model, self.adv = args, engine, task, reward_model, adv
+        self.args, self.engine, self.task, self.reward_model = args, engine, task, reward_model
         self.device = next(engine.model.parameters()).device
         self.pad_id = engine.tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
         self.rank, self.ptgs = rank, None
@@ -1218,7 +1219,8 @@ class Rollouts:
             normalized = normalize_scores(raw).tolist()
             for g, group in enumerate(groups):
                 group["rewards"] = normalized[g * args.group_size:(g + 1) * args.group_size]
-        account_kept_groups(by_source, groups, kept_sources, args.group_size, *self.adv, args.mask_truncated)
+        for group, name in zip(groups, kept_sources):  # the learner counts each source's tokens (account_sources)
+            group["source"] = name
         return groups, {**rollout, **by_source, "rm_score_sum": rm_score_sum}, info
 
     def after_update(self, step):
@@ -1236,7 +1238,8 @@ def learner_batches(groups, args, pad_id, device, adv=None):
     Step 3 of both loops: the groups split into --minibatches (by group), each as micro-batches of at most
     --device-batch-tokens padded positions (sorted by length: less padding, same loss). adv (scale, baseline): rows
     carry group advantages; None: their raw rewards (ppo.py turns them into per-token rewards). PTGS rows carry
-    their group's temperature. Returns (minibatches, [real, padded] positions).
+    their group's temperature; every micro-batch names each row's source (micro["sources"]). Returns (minibatches,
+    [real, padded] positions).
     """
     minibatches, positions = [], [0, 0]
     for m in range(args.minibatches):
@@ -1245,8 +1248,10 @@ def learner_batches(groups, args, pad_id, device, adv=None):
         rows = learner_rows(part, args.group_size, scale, baseline, args.mask_truncated, raw_rewards=adv is None)
         if args.ptgs:  # each row carries its group's temperature (collate_rollouts)
             rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in part for _ in g["completions"]))]
+        sources = [g["source"] for g in part for _ in g["completions"]]  # of each row (account_sources)
         batches, _ = token_budget_batches([[len(row[0]) - 1] for row in rows], args.device_batch_tokens)
-        minibatches.append([collate_rollouts([rows[i] for i in batch], pad_id, device) for batch in batches])
+        minibatches.append([{**collate_rollouts([rows[i] for i in batch], pad_id, device),
+                             "sources": [sources[i] for i in batch]} for batch in batches])
         positions[0] += sum(len(row[0]) - 1 for row in rows)
         positions[1] += sum(int(micro["inputs"].numel()) for micro in minibatches[-1])
     return minibatches, positions

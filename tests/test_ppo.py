@@ -184,6 +184,20 @@ def test_main_ppo_with_gae_trains_policy_and_critic_and_resumes(monkeypatch, tmp
         torch.testing.assert_close(a, b)
 
 
+def test_ppo_counts_each_sources_loss_mass_from_the_gae_advantages_it_trains_on(monkeypatch, tmp_path, checkpoint):
+    trained = []  # sum over valid tokens of |A_t| of every policy-loss call: the mass the update really carries
+    policy_loss = ppo.policy_loss
+
+    def spy(logp, old_logp, advantages, mask, **kwargs):
+        trained.append(float((advantages.abs() * mask).sum()))
+        return policy_loss(logp, old_logp, advantages, mask, **kwargs)
+
+    monkeypatch.setattr(ppo, "policy_loss", spy)
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "1", "--eval-every", "1", stage=ppo)
+    sources = json.loads((tmp_path / "home" / "report.jsonl").read_text().splitlines()[-1])["sources"]
+    assert trained and sources["synthetic/loss_mass"] == pytest.approx(sum(trained), rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def reward_model_checkpoint(tmp_path_factory, model, tokenizer):
     """A 'reward model' that scores the policy's own trunk with a random head: enough to drive the loop."""

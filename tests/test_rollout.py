@@ -120,17 +120,19 @@ def test_per_source_counts_on_a_two_source_mixture(monkeypatch, tmp_path, checkp
     assert "gsm8k dispatched" in text and "loss share 0.00" in text and "loss share 1.00" in text
 
 
-def test_account_kept_groups_counts_tokens_and_mass_per_source(model, tokenizer):  # noqa: F811
-    engine = Engine(model, tokenizer)
-    prompts = [tokenizer.render_for_completion(LengthParity()[i]) for i in range(2)]
-    results = engine.generate(prompts, num_samples=2, max_tokens=6, seed=0)
-    groups = [{"prompt": p, "completions": c, "rewards": r} for p, c, r in zip(prompts, results, ([0.0, 1.0], [1.0, 1.0]))]
+def test_account_sources_counts_tokens_and_the_mass_of_the_advantages_trained_on():
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
     tally = rollout.source_tally(["x", "y"])
-    rollout.account_kept_groups(tally, groups, ["x", "y"], 2, "std", "mean", mask_truncated=False)
-    assert tally["source/x/valid_tokens"] == sum(len(c.tokens) for c in results[0])
-    assert tally["source/y/valid_tokens"] == sum(len(c.tokens) for c in results[1])
-    assert tally["source/y/loss_mass"] == 0  # no contrast, no advantage, no weight in the loss
-    assert tally["source/x/loss_mass"] == pytest.approx(sum(len(c.tokens) for c in results[0]), rel=1e-5)  # |A| = 1
+    # GRPO: one advantage per row, on each of its valid tokens
+    rollout.account_sources(tally, [{"mask": mask, "advantages": torch.tensor([0.5, -1.0, 0.0]),
+                                     "sources": ["x", "y", "x"]}])
+    assert (tally["source/x/valid_tokens"], tally["source/y/valid_tokens"]) == (5, 2)
+    assert (tally["source/x/loss_mass"], tally["source/y/loss_mass"]) == (1.5, 2.0)
+    # PPO: per-token (whitened GAE) advantages, |A_t| summed over the valid tokens only
+    gae = torch.tensor([[9.0, 0.5, -0.5, 1.0], [9.0, 9.0, 0.25, -0.25], [9.0, 2.0, -2.0, 9.0]])
+    tally = rollout.source_tally(["x", "y"])
+    rollout.account_sources(tally, [{"mask": mask, "advantages": gae, "sources": ["x", "y", "x"]}])
+    assert (tally["source/x/loss_mass"], tally["source/y/loss_mass"]) == (6.0, 0.5)
 
 
 # -----------------------------------------------------------------------------
@@ -179,7 +181,8 @@ def test_difficulty_filter_reports_the_mixture_it_leaves(monkeypatch, tmp_path, 
                           "--difficulty-samples", "4", "--prompts-per-step", "2"])
     mixture = tasks.PromptMixture([("a", LengthParity(size=8), 1.0), ("b", LengthParity(size=8), 1.0)])
     sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    cache = rollout.resolve_checkpoint(checkpoint) / f"difficulty_{rollout.difficulty_cache_key(args, mixture, sampling):016x}.json"
+    key = rollout.difficulty_cache_key(args, mixture, sampling)
+    cache = rollout.resolve_checkpoint(checkpoint) / f"difficulty_{key:016x}.json"
     cache.write_text(json.dumps({"successes": [2] * 6 + [0] * 10}))  # a's first 6 of its 8 in range, none of b's
     try:
         kept = rollout.difficulty_prompts(args, Engine(model, tokenizer), mixture, checkpoint, None, sampling)
