@@ -666,7 +666,9 @@ def token_logprobs(model, inputs, targets, sampling):
     from (engine.sampling_logprobs: same temperature, top-k, top-p) and that distribution's entropy (no gradient).
     Computed a chunk of positions at a time (GPT.chunked_logits): the (B, T, V) logits never exist whole.
     sampling["temperature"] may be a tensor (B,), one per row (PTGS): the logits are divided by it first, which is
-    what sampling_logprobs does with a scalar before its top-k/top-p cut.
+    what sampling_logprobs does with a scalar before its top-k/top-p cut. Entropy is then (B, T, 2): at each row's
+    temperature, and of the untempered policy (softmax of the logits): rows drawn at 0.7 and 1.5 have entropies
+    that differ by the temperature alone, so only the second compares across rows and runs.
     """
     row_temperature = ()
     if torch.is_tensor(sampling["temperature"]):  # per row: expanded to every position, chunked like the targets
@@ -674,11 +676,15 @@ def token_logprobs(model, inputs, targets, sampling):
         sampling = {**sampling, "temperature": 1.0}
 
     def score(logits, target, *temperature):  # (N, V), (N,), optionally (N,)
+        untempered = logits
         if temperature:
             logits = logits / temperature[0][:, None]
         logprobs = sampling_logprobs(logits, **sampling)  # (N, V)
         logp = logprobs.gather(-1, target.clamp(min=0)[:, None]).squeeze(-1).clamp(min=LOGP_FLOOR)  # (N,)
         entropy = torch.special.entr(logprobs.detach().exp()).sum(-1)  # (N,); entr(0) = 0 where top-k/top-p cut
+        if temperature:
+            base = torch.special.entr(untempered.detach().float().softmax(-1)).sum(-1)  # (N,)
+            entropy = torch.stack([entropy, base], -1)  # (N, 2)
         return logp, entropy
 
     with autocast_ctx(inputs.device):
@@ -1259,9 +1265,9 @@ def learner_batches(groups, args, pad_id, device, adv=None):
 
 def learner_tally(rollout_tally, groups, positions):
     """A step's counters, the same keys on every rank (reduce_tally): the rollout's, then the learner's, zeroed."""
-    return {**rollout_tally, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0, "gap_sum": 0.0,
-            "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0, "clip_low_sum": 0.0,
-            "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf,
+    return {**rollout_tally, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0,
+            "entropy_t1_sum": 0.0, "gap_sum": 0.0, "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0,
+            "loss_tokens": 0, "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf,
             "positions_real": positions[0], "positions_padded": positions[1], "value_loss_sum": 0.0,
             "value_clip_sum": 0.0}
 
@@ -1269,13 +1275,17 @@ def learner_tally(rollout_tally, groups, positions):
 def score_old(micro, old_logp, entropy, tally, args):
     """
     A micro-batch's old log-probs (the weights that sampled it, as the learner scores them), its mismatch weights
-    against the engine's behavior log-probs, and the gap and entropy it adds to the tally.
+    against the engine's behavior log-probs, and the gap and entropy it adds to the tally (under PTGS also the
+    untempered policy's entropy: token_logprobs' entropy (B, T, 2)).
     """
     micro["old_logp"], mask = old_logp, micro["mask"]
     micro["weights"] = mismatch_weights(old_logp, micro["behavior"], args.mismatch, args.tis_cap, args.mask_window)
     gap = (old_logp - micro["behavior"]).abs() * mask
     tally["gap_sum"] += float(gap.sum())
     tally["gap_max"] = max(tally["gap_max"], float(gap.max()))
+    if entropy.dim() == 3:
+        tally["entropy_t1_sum"] += float((entropy[..., 1] * mask).sum())
+        entropy = entropy[..., 0]
     tally["entropy_sum"] += float((entropy * mask).sum())
     tally["trained_tokens"] += int(mask.sum())
     tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
@@ -1368,6 +1378,8 @@ def step_metrics(tally, optimizer_steps, grad_norms, seconds, info, sources, sou
                         "time/rollout_tokens_per_s": tally["length_sum"] / max(info["rollout_s"], 1e-9),
                         "policy/age_mean": sum(info["ages"]) / len(info["ages"]), "policy/age_max": max(info["ages"]),
                         "rollout/stale_groups": tally["stale_groups"]})
+    if tally["entropy_t1_sum"]:  # PTGS: the untempered policy's entropy, comparable across temperatures
+        metrics["policy/entropy_t1"] = tally["entropy_t1_sum"] / tokens
     if tally["loss_tokens"]:
         metrics.update({"policy/ratio_mean": tally["ratio_sum"] / loss_tokens,
                         "policy/ratio_min": tally["ratio_min"], "policy/ratio_max": tally["ratio_max"]})
@@ -1396,7 +1408,9 @@ def print_step(step, num_steps, metrics, extra_line, seconds, eta):
            f"pad {metrics['batch/padding_frac']:.0%} "
            f"| loss {metrics['policy/loss']:+.4f} "
            f"clip {metrics['policy/clip_low']:.3f}/{metrics['policy/clip_high']:.3f} "
-           f"| entropy {metrics['policy/entropy']:.3f} | gap {metrics['mismatch/logp_gap_mean']:.1e} "
+           f"| entropy {metrics['policy/entropy']:.3f} "
+           + (f"(T 1: {metrics['policy/entropy_t1']:.3f}) " if "policy/entropy_t1" in metrics else "")
+           + f"| gap {metrics['mismatch/logp_gap_mean']:.1e} "
            f"| rollout {metrics['time/rollout_s']:.1f}s {metrics['time/rollout_tokens_per_s']:.0f} tok/s, "
            f"learn {seconds[1]:.1f}s " + idle + f"| ETA {format_eta(eta)}")
 

@@ -7,6 +7,7 @@ sampled it) and the overlapped rollout worker.
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -358,6 +359,28 @@ def test_engine_logprobs_match_the_learner(model, tokenizer, sampling):
         other, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], {**sampling, "temperature": 1.5})
         assert ((other - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
     close(batch["advantages"], [-1, 1, -1, 1, -1, 1])
+
+
+def test_ptgs_rows_report_the_untempered_entropy_next_to_their_own(model):
+    torch.manual_seed(0)
+    inputs = torch.randint(0, model.config.vocab_size, (2, 6))
+    targets = torch.randint(0, model.config.vocab_size, (2, 6))
+    sampling = dict(temperature=torch.tensor([0.7, 1.5]), top_k=None, top_p=None)
+    with torch.no_grad():
+        logp, entropy = rollout.token_logprobs(model, inputs, targets, sampling)  # (2, 6), (2, 6, 2)
+        at = [rollout.token_logprobs(model, inputs[b:b + 1], targets[b:b + 1], {**sampling, "temperature": t})[1][0]
+              for b, t in enumerate((0.7, 1.5))]
+        base = rollout.token_logprobs(model, inputs, targets, {**sampling, "temperature": 1.0})[1]  # (2, 6)
+    assert entropy.shape == (2, 6, 2)
+    close(entropy[..., 0], torch.stack(at), atol=1e-5)  # each row's own temperature
+    close(entropy[..., 1], base, atol=1e-5)  # the same tokens at temperature 1: comparable across rows
+    assert (entropy[0, :, 0] < entropy[0, :, 1]).all() and (entropy[1, :, 0] > entropy[1, :, 1]).all()
+    tally = {"gap_sum": 0.0, "gap_max": 0.0, "entropy_sum": 0.0, "entropy_t1_sum": 0.0, "trained_tokens": 0,
+             "corrected": 0.0}
+    micro = {"mask": torch.ones(2, 6), "behavior": logp}
+    rollout.score_old(micro, logp, entropy, tally, SimpleNamespace(mismatch="tis", tis_cap=2.0, mask_window=None))
+    assert tally["entropy_sum"] == pytest.approx(float(entropy[..., 0].sum()), rel=1e-5)
+    assert tally["entropy_t1_sum"] == pytest.approx(float(base.sum()), rel=1e-5)
 
 
 def test_learner_logprobs_in_chunks_equal_whole_logits_in_value_and_gradient(model, monkeypatch):
