@@ -185,9 +185,8 @@ def main(argv=None):
                          "use more data (--train-pairs, --samples) or a smaller --batch-size")
 
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
-                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac, head_lr_mult=args.head_lr_mult)
     head_group = optimizers[0].param_groups[-1]  # ScalarHeadModel.setup_optimizers appends the head last
-    head_group["lr"] = head_group["initial_lr"] = head_group["initial_lr"] * args.head_lr_mult
     print0(f"plan: {num_steps} steps of {args.batch_size} pairs over {min_pairs * world_size} pairs "
            f"({args.epochs} epoch(s)), lr-frac {args.lr_frac}, head lr {head_group['lr']:.2e}, linear decay to 0")
     if args.dry_run:

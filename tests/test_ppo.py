@@ -4,6 +4,7 @@ hand-computed table, the clipped value loss on both sides, explained variance, s
 rl.py's with --reward rm in-process on a real tiny model, tokenizer and engine.
 """
 
+import copy
 import json
 import math
 import os
@@ -228,6 +229,27 @@ def test_reward_model_flags_are_checked(monkeypatch, tmp_path, checkpoint, rewar
         run_rl(monkeypatch, tmp_path, checkpoint, "--kl-placement", "reward")
     with pytest.raises(ValueError, match="not a reward model"):  # a policy checkpoint is not a reward model
         run_rl(monkeypatch, tmp_path, checkpoint, "--reward", "rm", "--rm-ckpt", str(checkpoint), "--num-steps", "1")
+
+
+def test_critic_starts_from_the_reward_model_and_warms_up_alone(monkeypatch, tmp_path, checkpoint, capsys,
+                                                                reward_model_checkpoint):
+    out = run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "1", "--eval-every", "1", "--reward", "rm",
+                 "--rm-ckpt", str(reward_model_checkpoint), "--critic-warmup-steps", "1", stage=ppo)
+    assert "critic explained variance by step" in capsys.readouterr().out
+    final, _, _ = load_model(out, "cpu")
+    initial, _, _ = load_model(checkpoint, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), initial.state_dict().values()))
+    critic = ppo.load_checkpoint(out)[2]["critic"]
+    rm_head = load_model(reward_model_checkpoint, "cpu")[0].head.weight
+    moved = (critic["head.weight"] - rm_head).norm() / rm_head.norm()
+    assert 0 < moved < 0.2  # the reward model's head, one critic step later (a zero-started head would be ~100%)
+
+
+def test_scalar_head_learning_rate_multiplier(model):
+    adamw, _ = ScalarHeadModel(copy.deepcopy(model)).setup_optimizers(0.02, 0.2, 0.004, head_lr_mult=10.0)
+    assert adamw.param_groups[-1]["lr"] == pytest.approx(10 * adamw.param_groups[0]["lr"])
+    assert adamw.param_groups[-1]["initial_lr"] == adamw.param_groups[-1]["lr"]
+    assert ppo.parse_args([]).critic_head_lr_mult == 1.0 and ppo.parse_args([]).critic_warmup_steps == 0
 
 
 class NeverRight(LengthParity):
