@@ -399,13 +399,14 @@ rollout.task_by_name = lambda name, split, size: task(split, size=64)
 models, rollouts, Rollouts = [], [], stage.Rollouts
 stage.Engine = lambda model, tokenizer: models.append(model) or Engine(model, tokenizer)  # keep each rank's model
 stage.Rollouts = lambda *args, **kwargs: rollouts.append(Rollouts(*args, **kwargs)) or rollouts[-1]
-stage.main(sys.argv[1:])
-digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in models[0].parameters())).hexdigest()
-with open(os.path.join({out!r}, "rank" + os.environ["RANK"]), "w") as f:
-    f.write(digest)
-if rollouts and rollouts[0].ptgs is not None:  # the rank's PTGS counts at the end
-    with open(os.path.join({out!r}, "ptgs" + os.environ["RANK"]), "w") as f:
-        f.write(repr(sorted(rollouts[0].ptgs.counts.items())))
+if __name__ == "__main__":  # not in the --async worker, which the spawn start method starts from this file
+    stage.main(sys.argv[1:])
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in models[0].parameters())).hexdigest()
+    with open(os.path.join({out!r}, "rank" + os.environ["RANK"]), "w") as f:
+        f.write(digest)
+    if rollouts and rollouts[0].ptgs is not None:  # the rank's PTGS counts at the end
+        with open(os.path.join({out!r}, "ptgs" + os.environ["RANK"]), "w") as f:
+            f.write(repr(sorted(rollouts[0].ptgs.counts.items())))
 """
 
 
@@ -616,6 +617,19 @@ def test_torchrun_ptgs_controller_is_the_same_on_both_ranks_and_after_a_resume(t
     (tmp_path / "rl" / "latest").write_text("step_000001")  # interrupted after step 1
     torchrun(tmp_path, checkpoint, *flags, "--resume")
     assert [(tmp_path / f"{name}{rank}").read_text() for name in ("ptgs", "rank") for rank in range(2)] == ends
+
+
+@pytest.mark.slow
+def test_torchrun_async_resume_continues_bit_for_bit_on_both_ranks(tmp_path, checkpoint):
+    # The checkpoint keeps the weights the worker was asked to sample the next step with (one update older).
+    flags = ["--num-steps", "3", "--save-every", "1", "--eval-every", "3", "--async"]
+    torchrun(tmp_path, checkpoint, *flags)
+    ends = [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
+    assert ends[0] == ends[1]
+    (tmp_path / "rl" / "latest").write_text("step_000002")  # interrupted after step 2
+    result = torchrun(tmp_path, checkpoint, *flags, "--resume")
+    assert [line.split("age ")[1].split()[0] for line in result.stdout.splitlines() if line.startswith("step ")] == ["1"]
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in range(2)] == ends
 
 
 def test_ptgs_is_refused_with_a_reward_model(capsys):
