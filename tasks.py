@@ -7,6 +7,9 @@ from a seed: arithmetic questions and small word problems whose worked answers u
 end, like GSM8K, with a final line "#### <answer>". The same generator writes the pretraining documents, so
 a tiny base model has seen the language that SFT, DPO and RL later build on. A problem belongs to the train
 or the test split by a hash of its question text, so the held-out split never leaks into any training data.
+
+    python tasks.py prepare                      # download every hub file the GPU presets read (resumable)
+    python tasks.py prepare --fineweb-shards 4   # only the first 4 FineWeb-Edu files (a quick small run)
 """
 
 import hashlib
