@@ -58,7 +58,8 @@ from the tiny DPO checkpoint, same seed, one sitting; pass@1 / pass@8 on 128 hel
                          count groups dispatched and kept, valid tokens and the share of the loss mass
                          (sum of |A| over its valid tokens), so an easy or fast source cannot silently take the batch.
     --decontaminate      drop training prompts that share a 13-gram of normalised words with an evaluation set in use
-                         (tasks.decontamination_index; counted per source in the log and the report). On for full
+                         or contain a whole evaluation question of 5-12 words (tasks.decontamination_index; counted
+                         per source in the log and the report). On for full
                          (hub data); off for tiny, whose synthetic family is split by a hash of the question: there
                          13-grams of the templated stories flag 66 of the 5000 training prompts, different problems
                          that share 13 words with a test story (another starting number).

@@ -453,8 +453,9 @@ class RolloutWorker:
     its own copy of the model generates the groups of a step while the learner updates on the previous ones.
     submit(step, version, weights, seed) sends a state dict of the policy (version: the number of updates behind
     it) and asks for step's groups; `pending` keeps the last job's {"version", "weights"}, what a checkpoint stores
-    so that a resumed run asks for its first step with the same weights as the uninterrupted run; result() waits for the next batch. Every group records the version that
-    sampled it (all its completions share it) and its completions the behavior log-probs of that version, so the learner's mismatch correction (mismatch_weights:
+    so that a resumed run asks for its first step with the same weights as the uninterrupted run; result() waits
+    for the next batch. Every group records the version that sampled it (all its completions share it) and its
+    completions the behavior log-probs of that version, so the learner's mismatch correction (mismatch_weights:
     pi_learner / pi_behavior, truncated) covers the staleness as it covers the engine/trainer gap. With delay 1 the
     loop submits step k + 1 with the weights of step k before it updates on step k; with delay 0 after the update:
     the same batches as the synchronous loop, only in another process.
@@ -887,8 +888,8 @@ def add_flags(parser):
                        "logs count each source apart); held-out splits evaluated")
     add("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
         help="drop training prompts that overlap an evaluation set in use or the held-out problems "
-             "(tasks.decontamination_index, 13-grams); default on for full, off for tiny (the synthetic family is "
-             "split by question hash)")
+             "(tasks.decontamination_index: 13-grams, whole short questions); default on for full, off for tiny "
+             "(the synthetic family is split by question hash)")
     add("--difficulty-filter", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
         help="before RL, sample --difficulty-samples answers per training prompt with the start checkpoint and keep "
              "prompts whose success rate is strictly inside (LOW, HIGH), e.g. 0.1 0.9 (cached in the checkpoint)")
@@ -1268,9 +1269,9 @@ def learner_tally(rollout_tally, groups, positions):
     """A step's counters, the same keys on every rank (reduce_tally): the rollout's, then the learner's, zeroed."""
     return {**rollout_tally, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0,
             "entropy_t1_sum": 0.0, "gap_sum": 0.0, "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0,
-            "loss_tokens": 0, "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf,
-            "positions_real": positions[0], "positions_padded": positions[1], "value_loss_sum": 0.0,
-            "value_clip_sum": 0.0}
+            "loss_tokens": 0, "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf,
+            "ratio_max": -math.inf, "positions_real": positions[0], "positions_padded": positions[1],
+            "value_loss_sum": 0.0, "value_clip_sum": 0.0}
 
 
 def score_old(micro, old_logp, entropy, tally, args):
