@@ -490,7 +490,8 @@ def main(argv=None):
     parser.add_argument("--save-every", type=int, help="save a resumable checkpoint every this many steps (0: never)")
     parser.add_argument("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
                         help="drop training prompts and pairs that overlap an evaluation set in use (tasks.NgramIndex: "
-                             "a shared 13-gram of normalised words); default on for full, off for tiny (split by hash)")
+                             "a shared 13-gram of normalised words or a whole short question); default on for full, "
+                             "off for tiny (split by hash)")
     add_judge_flags(parser)
     parser.add_argument("--dry-run", action="store_true", help="build the model, pairs and optimizers, print the plan "
                         "and stop before the reference pass")

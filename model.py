@@ -392,13 +392,21 @@ class ScalarHeadModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx):
-        """idx (B, T) -> scores (B, T) float32: the head read after every token."""
-        return self.head(self.gpt.hidden(idx)).squeeze(-1).float()
+        """
+        idx (B, T) -> scores (B, T) float32: the head read after every token. The head runs in float32 even under
+        bf16 autocast: a score is one number whose small differences are the signal (bf16 keeps 8 bits of it).
+        """
+        hidden = self.gpt.hidden(idx)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            return self.head(hidden.float()).squeeze(-1)
 
-    def setup_optimizers(self, matrix_lr, embedding_lr, unembedding_lr, weight_decay=0.0):
-        """The trunk's [AdamW, Muon] (GPT.setup_optimizers), with the head in the AdamW at lm_head's learning rate."""
+    def setup_optimizers(self, matrix_lr, embedding_lr, unembedding_lr, weight_decay=0.0, head_lr_mult=1.0):
+        """
+        The trunk's [AdamW, Muon] (GPT.setup_optimizers), with the head in the AdamW (its last group) at lm_head's
+        learning rate times head_lr_mult: a zero-started head has further to travel than the trunk (rm.py: 10).
+        """
         adamw, muon = self.gpt.setup_optimizers(matrix_lr, embedding_lr, unembedding_lr, weight_decay)
-        lr = adamw.param_groups[0]["lr"]  # lm_head's, already width-scaled: the head is a 1-row lm_head
+        lr = adamw.param_groups[0]["lr"] * head_lr_mult  # lm_head's, already width-scaled: the head is a 1-row lm_head
         adamw.add_param_group(dict(params=list(self.head.parameters()), lr=lr, initial_lr=lr))
         return [adamw, muon]
 

@@ -10,8 +10,10 @@ Each step, on every rank:
     1. rollout   rl.py's (rollout.Rollouts: prompts, G completions of each, the verifier's or the reward model's score)
     2. rewards   token_rewards: the KL to the reference on every token (--kl-placement reward, the default: the
                  penalty is part of the reward), the completion's score on its last token
-    3. advantage the critic (a copy of the policy's trunk with a zero-started scalar head, its own optimizers) gives
-                 V(s_t) at every token; gae turns rewards and values into advantages and returns, whitened per batch
+    3. advantage the critic (a copy of the policy's trunk with a zero-started scalar head, its own optimizers; with
+                 --reward rm a copy of the reward model, as InstructGPT initialises its value function, Ouyang et al.
+                 2022, sec. 3.5) gives V(s_t) at every token; gae turns rewards and values into advantages and
+                 returns, whitened over the batch of every rank
     4. update    policy_loss on the advantages, value_loss on the returns, each with its own optimizer step
     5. evaluation and checkpoints as rl.py's; the critic and its optimizers are saved with the policy
 
@@ -32,10 +34,11 @@ from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_c
                     load_checkpoint, preempted, print0, resume_or_finish, run_cli, save_checkpoint, synchronize)
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
-from rollout import (PRESETS, Rollouts, add_flags, add_loss_stats, aggregate, all_reduce_gradients, batch_counts,
-                     difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches, learner_tally,
-                     load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally, reference_sampling,
-                     report_record, row_sampling, score_old, step_metrics, token_logprobs)
+from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, aggregate, all_reduce_gradients,
+                     batch_counts, check_numeric_flags, difficulty_prompts, evaluate_held_out, finish_args,
+                     global_moments, kl_penalty, learner_batches, learner_tally, load_reward_model, policy_loss,
+                     prepare_prompts, print_step, reduce_tally, reference_sampling, report_record, row_sampling,
+                     score_old, step_metrics, token_logprobs, whiten)
 
 # -----------------------------------------------------------------------------
 # The math: per-token rewards, GAE, the clipped value loss
@@ -105,13 +108,18 @@ def value_loss(values, old_values, returns, mask, clip_eps=0.2, count=None):
     return loss, clip_frac
 
 
-def explained_variance(values, returns, mask):
-    """1 - Var[R - V] / Var[R] over valid tokens: 1 is a perfect critic, 0 one no better than a constant."""
-    valid = mask > 0
-    v, r = values[valid].float(), returns[valid].float()
-    if r.numel() < 2:
+def explained_variance(pairs, device):
+    """
+    1 - Var[R - V] / Var[R] over the valid tokens of every rank (global_moments), from (values, returns, mask) of
+    each micro-batch: 1 is a perfect critic, 0 one no better than a constant. Undefined (NaN) when the returns do
+    not vary (their variance below 1e-8, or fewer than 2 tokens): any critic would divide by ~0 there.
+    """
+    pairs = list(pairs)
+    n, _, var_returns = global_moments([(r, m) for _, r, m in pairs], device)
+    _, _, var_error = global_moments([(r - v, m) for v, r, m in pairs], device)
+    if n < 2 or var_returns < 1e-8:
         return float("nan")
-    return float(1 - (r - v).var() / r.var().clamp(min=1e-8))
+    return 1 - var_error / var_returns
 
 
 # -----------------------------------------------------------------------------
@@ -135,9 +143,21 @@ def parse_args(argv=None):
     add("--value-clip", type=float, default=0.2, help="the critic's clip range eps_v (see value_loss)")
     add("--critic-lr-frac", type=float, default=None,
         help="the critic's learning rates as a fraction of pretraining's (default: 2x --lr-frac)")
+    add("--critic-head-lr-mult", type=float, default=1.0,
+        help="the critic's scalar head's learning rate as a multiple of its lm_head-scaled rate (rm.py's reward "
+             "head uses 10: a zero-started head has further to travel than the trunk)")
+    add("--critic-warmup-steps", type=int, default=0,
+        help="the first N steps train the critic only (the policy waits), so the first policy update's advantages "
+             "come from a critic that has fitted the policy's returns")
     args = finish_args(parser, parser.parse_args(argv))
     if args.critic_lr_frac is None:
         args.critic_lr_frac = 2 * args.lr_frac
+    check_numeric_flags(parser, args, {"gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+                                       "lam": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+                                       "value_clip": (lambda v: v > 0, "> 0"),
+                                       "critic_lr_frac": (lambda v: v > 0, "> 0"),
+                                       "critic_head_lr_mult": (lambda v: v > 0, "> 0"),
+                                       "critic_warmup_steps": (lambda v: v >= 0, ">= 0 (0: none)")})
     return args
 
 
@@ -151,7 +171,8 @@ def main(argv=None):
     ckpt = Path(args.ckpt) if args.ckpt else checkpoint_dir("sft")
     out = Path(args.out) if args.out else checkpoint_dir("ppo")
 
-    # Models: the policy, the frozen reference and reward models, the critic (the policy's trunk, a zero head).
+    # Models: the policy, the frozen reference and reward models, the critic (the policy's trunk with a zero head, or
+    # a trainable copy of the reward model; on resume its weights come from the checkpoint's extra state).
     resume = resume_or_finish(out, args.resume, "ppo")
     if resume is FINISHED:
         return
@@ -161,7 +182,10 @@ def main(argv=None):
         ref_model, _, _ = load_model(ckpt, device)
         ref_model.requires_grad_(False)
     reward_model = load_reward_model(args, tokenizer, device)
-    critic = ScalarHeadModel(load_model(out if resume else ckpt, device)[0]).to(device).train()
+    if reward_model is not None:
+        critic = load_model(args.rm_ckpt, device)[0].train()
+    else:
+        critic = ScalarHeadModel(load_model(out if resume else ckpt, device)[0]).to(device).train()
     engine = Engine(model, tokenizer)
     pad_id = tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
     print0(f"model: {model.num_params():,} parameters from {out if resume else ckpt} on {device}, {world_size} rank(s)")
@@ -171,7 +195,8 @@ def main(argv=None):
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
     f = args.critic_lr_frac
     critic_optimizers = critic.setup_optimizers(matrix_lr=MATRIX_LR * f, embedding_lr=EMBEDDING_LR * f,
-                                                unembedding_lr=UNEMBEDDING_LR * f)
+                                                unembedding_lr=UNEMBEDDING_LR * f,
+                                                head_lr_mult=args.critic_head_lr_mult)
     longest_prompt = max(len(tokenizer.render_for_completion(train_task[i])) for i in range(min(64, len(train_task))))
     print0(f"plan: {args.num_steps} steps of {args.prompts_per_step} x {args.group_size} completions of <= "
            f"{args.max_tokens} tokens, {args.epochs} epoch(s) x {args.minibatches} minibatch(es); loss {args.loss} "
@@ -204,7 +229,7 @@ def main(argv=None):
         history.append(evaluate_held_out(engine, test_task, eval_indices, args, 0, reward_model))
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
     rollouts = Rollouts(args, engine, train_task, out if resume else ckpt, start_step, reward_model,
-                        ptgs_state=extra.get("ptgs"))
+                        state=extra)
 
     def save(step, finished):
         if finished:
@@ -215,13 +240,12 @@ def main(argv=None):
         state = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
                  "source_totals": dict(source_totals), "critic": critic.state_dict(),
                  "critic_optimizers": [o.state_dict() for o in critic_optimizers]}
-        if rollouts.ptgs is not None:  # rank 0's controller (each rank keeps its own; its prompts differ)
-            state["ptgs"] = rollouts.ptgs.state_dict()
+        state.update(rollouts.state_dict())  # PTGS counts, the --async worker's pending weights
         save_checkpoint(out, step, model, {"stage": "ppo", "source": str(ckpt), "args": vars(args),
                                            "finished": finished, "eval": history[-1] if history else None},
                         tokenizer=tokenizer, extra=state)
 
-    t_start = time.time()
+    t_start, explained_by_step = time.time(), {}  # the critic's explained variance, reported first vs. last
     for step in range(start_step, args.num_steps):
         synchronize(device)
         t0 = time.time()
@@ -231,7 +255,7 @@ def main(argv=None):
         minibatches, positions = learner_batches(groups, args, pad_id, device)  # rows carry their raw rewards
 
         # Score the batch with the weights that sampled it (old log-probs, reference log-probs, the critic's
-        # values), then per-token rewards -> GAE; advantages whitened over the batch (per rank), as PPO does.
+        # values), then per-token rewards -> GAE; advantages whitened over the whole batch of every rank, as PPO does.
         tally = learner_tally(rollout_tally, groups, positions)
         with torch.no_grad():
             for micro in (micro for mb in minibatches for micro in mb):
@@ -251,17 +275,19 @@ def main(argv=None):
                     tally["kl_sum"] += float((kl * mask).sum())
                 rewards = token_rewards(micro["advantages"], kl, mask, args.kl_coef)
                 micro["advantages"], micro["returns"] = gae(rewards, micro["old_values"], mask, args.gamma, args.lam)
-        micros = [micro for mb in minibatches for micro in mb]
-        values = torch.cat([m["old_values"][m["mask"] > 0] for m in micros])
-        returns = torch.cat([m["returns"][m["mask"] > 0] for m in micros])
-        advantages = torch.cat([m["advantages"][m["mask"] > 0] for m in micros])
-        explained = explained_variance(values, returns, torch.ones_like(values))
-        mean, std = advantages.mean(), advantages.std(unbiased=False)
+        micros = [micro for mb in minibatches for micro in mb]  # none on a rank that kept no group
+        explained = explained_variance(((m["old_values"], m["returns"], m["mask"]) for m in micros), device)
+        explained_by_step[step + 1] = explained
+        moments = global_moments(((m["advantages"], m["mask"]) for m in micros), device)
         for m in micros:
-            m["advantages"] = (m["advantages"] - mean) / (std + 1e-8) * m["mask"]
+            m["advantages"] = whiten(m["advantages"], m["mask"], moments)
+        account_sources(tally, micros)  # the loss share of each source, from the advantages trained on
         counts, value_counts = batch_counts(minibatches, args.loss_agg, device)
 
-        # The update: --epochs passes, one policy and one critic optimizer step per minibatch.
+        # The update: --epochs passes, one policy and one critic optimizer step per minibatch (the critic's only
+        # during --critic-warmup-steps).
+        nets = [(critic, critic_optimizers)] if step < args.critic_warmup_steps else [(model, optimizers),
+                                                                                      (critic, critic_optimizers)]
         lr_multiplier = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
         for optimizer in optimizers:
             for group in optimizer.param_groups:
@@ -272,12 +298,21 @@ def main(argv=None):
                 if count == 0:  # nothing to learn from on any rank (every group filtered or masked)
                     continue
                 for micro in minibatch:
+                    num_tokens = float(micro["mask"].sum())
+                    with autocast_ctx(device):
+                        values = critic(micro["inputs"])  # (B, T)
+                    v_loss, v_clip = value_loss(values, micro["old_values"], micro["returns"], micro["mask"],
+                                                args.value_clip, count=value_count)
+                    v_loss.backward()
+                    tally["value_loss_sum"] += v_loss.item()
+                    tally["value_clip_sum"] += v_clip * num_tokens
+                    if len(nets) == 1:  # critic warm-up
+                        continue
                     logp, _ = token_logprobs(model, micro["inputs"], micro["targets"], row_sampling(sampling, micro))
                     loss, stats = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["mask"],
                                               kind=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
                                               agg=args.loss_agg, dual_clip=args.dual_clip, weights=micro["weights"],
                                               max_len=args.max_tokens, count=count)
-                    num_tokens = float(micro["mask"].sum())
                     if ref_model is not None and args.kl_placement == "loss":
                         kl_logp = logp if not truncated else token_logprobs(
                             model, micro["inputs"], micro["targets"],
@@ -287,15 +322,8 @@ def main(argv=None):
                                                                max_len=args.max_tokens, count=count)
                         tally["kl_sum"] += float((kl.detach() * micro["mask"]).sum())
                     loss.backward()
-                    with autocast_ctx(device):
-                        values = critic(micro["inputs"])  # (B, T)
-                    v_loss, v_clip = value_loss(values, micro["old_values"], micro["returns"], micro["mask"],
-                                                args.value_clip, count=value_count)
-                    v_loss.backward()
-                    tally["value_loss_sum"] += v_loss.item()
-                    tally["value_clip_sum"] += v_clip * num_tokens
                     add_loss_stats(tally, loss, stats, num_tokens)
-                for net, opts in ((model, optimizers), (critic, critic_optimizers)):
+                for net, opts in nets:
                     if ddp:
                         all_reduce_gradients(net)
                     if args.max_grad_norm > 0:
@@ -324,13 +352,13 @@ def main(argv=None):
                         "critic/clip_frac": tally["value_clip_sum"] / loss_tokens,
                         "critic/explained_variance": explained})
         extra_line += (f"| value loss {metrics['critic/value_loss']:.4f} "
-                       f"expl var {metrics['critic/explained_variance']:+.2f} ")
+                       f"expl var {'n/a' if math.isnan(explained) else f'{explained:+.2f}'} ")
         logger.log(metrics, step=step + 1)
         eta = (time.time() - t_start) / (step + 1 - start_step) * (args.num_steps - step - 1)
         print_step(step, args.num_steps, metrics, extra_line, (t1 - t0, t2 - t1), eta)
 
         last = step + 1 == args.num_steps
-        if (step + 1) % args.eval_every == 0 or last:
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
             history.append(evaluate_held_out(engine, test_task, eval_indices, args, step + 1, reward_model))
             logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=step + 1)
         if preempted(device):  # SIGTERM/SIGINT: keep this step's work, see common.py
@@ -340,6 +368,8 @@ def main(argv=None):
             save(step + 1, finished=False)
 
     rollouts.close()
+    print0("critic explained variance by step (before each update; n/a: constant returns): "
+           + " ".join(f"{k}:{v:+.2f}" for k, v in explained_by_step.items()))
     save(args.num_steps, finished=True)
     # PPO from a reward model is the RLHF recipe: its row is rlhf's, as rl.py --reward rm's is.
     append_report(report_record("rlhf" if reward_model is not None else "ppo", args, history, len(eval_indices),

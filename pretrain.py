@@ -164,8 +164,9 @@ def parse_args(argv=None):
     parser.add_argument("--log-every", type=int, help="steps between progress lines")
     parser.add_argument("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
                         help="skip documents that overlap an evaluation set in use (tasks.NgramIndex: a shared 13-gram "
-                             "of normalised words; each rank checks its own documents as it reads them); default on "
-                             "for full, off for tiny (the synthetic corpus is built from train-split problems only)")
+                             "of normalised words or a whole short question; each rank checks its own documents as "
+                             "it reads them); default on for full, off for tiny (the synthetic corpus is built from "
+                             "train-split problems only)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, build the model and the data "
                         "pipeline, save the untrained model as a stand-in base checkpoint and stop (no training)")
     args = parser.parse_args(argv)

@@ -10,9 +10,12 @@ Reinforcement learning from verifiable rewards: the GRPO family, one loop, every
     torchrun --nproc_per_node=8 rl.py --preset full --task ultrafeedback --reward rm --rm-ckpt CK/rm --out CK/rlhf
 
 RL from a reward model, the older RLHF recipe's reward (Ziegler et al. 2019; Ouyang et al. 2022):
-    --reward rm     each completion is scored by a reward model of rm.py (normalize_scores: z-scored per step); the
-                    KL penalty to the reference is then on by default (0.05). The verifier still measures: reward
-                    accuracy and held-out pass@1 are logged next to the reward model's score.
+    --reward rm     each completion is scored by a reward model of rm.py (normalize_scores: z-scored per step over
+                    every rank); the KL penalty to the reference is then on by default (0.05), and the group
+                    advantages are not divided by the group's std (Dr. GRPO, --adv-scale none): dynamic sampling is
+                    off for a scalar reward, so a group whose scores nearly tie would otherwise get advantages as
+                    large as a real contrast. The verifier still measures: reward accuracy and held-out pass@1 are
+                    logged next to the reward model's score.
 PPO with a critic and GAE is its own stage, ppo.py. The rollouts (prompts, sampling, scoring, the learner's rows) and
 the objective's math (group_advantages, policy_loss, kl_penalty, mismatch_weights) live in rollout.py, shared by both.
 
@@ -55,7 +58,8 @@ from the tiny DPO checkpoint, same seed, one sitting; pass@1 / pass@8 on 128 hel
                          count groups dispatched and kept, valid tokens and the share of the loss mass
                          (sum of |A| over its valid tokens), so an easy or fast source cannot silently take the batch.
     --decontaminate      drop training prompts that share a 13-gram of normalised words with an evaluation set in use
-                         (tasks.decontamination_index; counted per source in the log and the report). On for full
+                         or contain a whole evaluation question of 5-12 words (tasks.decontamination_index; counted
+                         per source in the log and the report). On for full
                          (hub data); off for tiny, whose synthetic family is split by a hash of the question: there
                          13-grams of the templated stories flag 66 of the 5000 training prompts, different problems
                          that share 13 words with a test story (another starting number).
@@ -72,10 +76,12 @@ from the tiny DPO checkpoint, same seed, one sitting; pass@1 / pass@8 on 128 hel
                          prompt rarely recurs, so its posterior stays the prior: off.
     --async              overlapped rollouts (RolloutWorker): a worker process samples step k + 1 with the weights
                          of step k while the learner updates on step k; truncated importance sampling (--mismatch tis)
-                         corrects the one-step staleness. Tiny: pass@1 0.972 vs 0.976 synchronous, pass@8 1.000
-                         both; the 20 steps took 814 s vs 1244 s (1.53x) with policy age 1 and 185 s of learner idle,
-                         on a machine oversubscribed by other jobs, where a second process also gets a larger share of
-                         the cores: off until measured on an idle machine.
+                         corrects the one-step staleness (--mismatch none is refused); groups older than
+                         --max-policy-age (1) are dropped and counted; a resumed run asks for its first step with the
+                         checkpointed one-update-old weights, so it continues bit for bit. Tiny: pass@1 0.972 vs
+                         0.976 synchronous, pass@8 1.000 both; the 20 steps took 814 s vs 1244 s (1.53x) with policy
+                         age 1 and 185 s of learner idle, on a machine oversubscribed by other jobs, where a second
+                         process also gets a larger share of the cores: off until measured on an idle machine.
 """
 
 import argparse
@@ -93,10 +99,10 @@ from common import (ASSUMED_PASS_RATE, FINISHED, HARDWARE, Logger, add_stage_fla
                     run_cli, save_checkpoint, stage_plan, synchronize)
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
-from rollout import (PRESETS, Rollouts, add_flags, add_loss_stats, aggregate, all_reduce_gradients, batch_counts,
-                     difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches, learner_tally,
-                     load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally, reference_sampling,
-                     report_record, row_sampling, score_old, step_metrics, token_logprobs)
+from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, aggregate, all_reduce_gradients,
+                     batch_counts, difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches,
+                     learner_tally, load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally,
+                     reference_sampling, report_record, row_sampling, score_old, step_metrics, token_logprobs)
 # The objective this stage trains lives in rollout.py, shared with ppo.py (a stage never imports another stage), and
 # is named here as part of rl.py's interface: group_advantages (GRPO / Dr. GRPO / RLOO, applied by
 # rollout.learner_rows), overlong_penalty (DAPO), policy_loss (pg / ppo / gspo / cispo, reduced by aggregate),
@@ -129,7 +135,7 @@ def plan(args, config):
     filtered = args.filter_zero_contrast and args.reward == "verifier" and pass_rate is not None
     rounds = expected_sampling_rounds(pass_rate, args.group_size, math.ceil(args.prompts_per_step / hw["gpus"]),
                                       args.oversample, hw["gpus"], args.max_sampling_rounds) if filtered else 1.0
-    evals = args.num_steps // args.eval_every + 1
+    evals = (args.num_steps // args.eval_every if args.eval_every else 1) + 1  # the start, periodic, the end
     decode = (args.num_steps * rounds * rows * args.max_tokens
               + evals * args.eval_problems * args.eval_samples * args.max_tokens)
     passes = args.epochs * (flops + 2 * config.n_embd * config.vocab_size)
@@ -157,10 +163,15 @@ def parse_args(argv=None):
                     out="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)",
                     resume="continue from the latest checkpoint in --out; exit if it is finished")
     add_flags(parser)
-    parser.add_argument("--adv-scale", choices=["std", "none"], default="std", help="std: GRPO; none: Dr. GRPO")
+    parser.add_argument("--adv-scale", choices=["std", "none"], default=None,
+                        help="std: GRPO; none: Dr. GRPO (default: std, none with --reward rm: a group of near-tied "
+                             "scores divided by its tiny std would get full-size advantages)")
     parser.add_argument("--adv-baseline", choices=["mean", "loo"], default="mean",
                         help="mean: GRPO; loo: RLOO leave-one-out")
-    return finish_args(parser, parser.parse_args(argv))
+    args = finish_args(parser, parser.parse_args(argv))
+    if args.adv_scale is None:
+        args.adv_scale = "none" if args.reward == "rm" else "std"
+    return args
 
 
 def main(argv=None):
@@ -225,7 +236,7 @@ def main(argv=None):
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
     # The worker of --async loads the checkpoint the policy came from (out on resume); weights come per job.
     rollouts = Rollouts(args, engine, train_task, out if resume else ckpt, start_step, reward_model,
-                        adv=(args.adv_scale, args.adv_baseline), ptgs_state=extra.get("ptgs"))
+                        state=extra)
 
     def save(step, finished):
         if finished:
@@ -234,8 +245,7 @@ def main(argv=None):
             return
         state = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
                  "source_totals": dict(source_totals)}
-        if rollouts.ptgs is not None:  # rank 0's controller (each rank keeps its own; its prompts differ)
-            state["ptgs"] = rollouts.ptgs.state_dict()
+        state.update(rollouts.state_dict())  # PTGS counts, the --async worker's pending weights
         save_checkpoint(out, step, model, {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
                                            "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=state)
 
@@ -256,6 +266,7 @@ def main(argv=None):
         # ratio is exactly 1, so the learner pass's own log-probs, detached, are the old ones and no extra no-grad
         # pass runs.
         tally = learner_tally(rollout_tally, groups, positions)
+        account_sources(tally, (micro for mb in minibatches for micro in mb))
         old_from_learner = args.epochs == 1 and args.minibatches == 1
         with torch.no_grad():
             for micro in (micro for mb in minibatches for micro in mb):
@@ -324,7 +335,7 @@ def main(argv=None):
 
         # 5. Held-out evaluation and periodic checkpoints.
         last = step + 1 == args.num_steps
-        if (step + 1) % args.eval_every == 0 or last:
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
             history.append(evaluate_held_out(engine, test_task, eval_indices, args, step + 1, reward_model))
             logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=step + 1)
         if preempted(device):  # SIGTERM/SIGINT: keep this step's work, see common.py

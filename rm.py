@@ -16,8 +16,9 @@ on-policy pairs): the reward model learns to tell right from wrong on the very a
 full: UltraFeedback-binarized (chosen = highest-rated answer, rejected = a lower-rated one). --pairs synthetic uses
 the static synthetic pairs (reference answer vs. one scripted mistake) instead.
 
-Logged on held-out pairs: pair accuracy (r_w > r_l), mean margin r_w - r_l, mean score (r_w + r_l) / 2 (the centring
-term keeps it near 0). The checkpoint's meta has reward_model: true, so engine.load_model rebuilds a ScalarHeadModel.
+Logged on held-out pairs: pair accuracy (r_w > r_l, a tie counted half), mean margin r_w - r_l, mean score
+(r_w + r_l) / 2 (the centring term keeps it near 0). The checkpoint's meta has reward_model: true, so
+engine.load_model rebuilds a ScalarHeadModel.
 """
 
 import argparse
@@ -35,17 +36,17 @@ from engine import Engine, load_model
 from judge import JudgedTask, add_judge_flags, judge_from_args
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from rollout import preference_pairs
-from tasks import pad_sequences, task_by_name
+from tasks import decontamination_index, pad_sequences, task_by_name
 
 PRESETS = {
     # tiny: 512 synthetic problems x 4 SFT samples -> a few hundred verifier-labelled pairs; 3 epochs of 32-pair steps.
     "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=512, eval_pairs=192, samples=4,
                  max_new_tokens=48, lr_frac=0.1, head_lr_mult=10.0, batch_size=32, device_batch_size=32, epochs=3,
-                 eval_every=20),
+                 eval_every=20, decontaminate=False),
     # full: one epoch of UltraFeedback-binarized train_prefs (61k pairs).
     "full": dict(pairs="ultrafeedback", task="gsm8k", train_pairs=None, eval_pairs=1000, samples=8,
                  max_new_tokens=512, lr_frac=0.02, head_lr_mult=10.0, batch_size=128, device_batch_size=8, epochs=1,
-                 eval_every=100),
+                 eval_every=100, decontaminate=True),
 }
 
 
@@ -76,15 +77,20 @@ def pair_scores(model, pairs, pad_id, device):
     return scores[:len(pairs)], scores[len(pairs):]
 
 
+def pair_accuracy_sum(chosen, rejected):
+    """Pairs ranked right, a tie counted as half (a coin flip would break it): the zero head scores 50%, not 0%."""
+    return (chosen > rejected).sum() + 0.5 * (chosen == rejected).sum()
+
+
 @torch.no_grad()
 def evaluate_pairs(model, pairs, batch_size, center_coef, pad_id, device):
-    """Held-out loss, pair accuracy, mean margin and mean score over every rank's pairs."""
+    """Held-out loss, pair accuracy (ties half), mean margin and mean score over every rank's pairs."""
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, correct, margin, score, pairs
     for i in range(0, len(pairs), batch_size):
         chosen, rejected = pair_scores(model, pairs[i:i + batch_size], pad_id, device)
-        sums += torch.stack([reward_model_loss(chosen, rejected, center_coef).sum(), (chosen > rejected).sum(),
-                             (chosen - rejected).sum(), ((chosen + rejected) / 2).sum(),
-                             torch.tensor(float(len(chosen)), device=device)]).double()
+        sums += torch.stack([reward_model_loss(chosen, rejected, center_coef).sum(),
+                             pair_accuracy_sum(chosen, rejected), (chosen - rejected).sum(),
+                             ((chosen + rejected) / 2).sum(), torch.tensor(float(len(chosen)), device=device)]).double()
     if dist.is_initialized():
         dist.all_reduce(sums)
     n = max(float(sums[4]), 1.0)
@@ -94,11 +100,13 @@ def evaluate_pairs(model, pairs, batch_size, center_coef, pad_id, device):
 
 def build_pairs(args, model, tokenizer, split, max_seq_len, judge=None):
     """
-    This rank's pairs of `split` (rollout.preference_pairs), counts over all ranks, and the fewest pairs of a rank.
+    This rank's pairs of `split` (rollout.preference_pairs; training pairs decontaminated with --decontaminate, the
+    rule of every stage: tasks.decontamination_index), counts over all ranks, and the fewest pairs of a rank.
     Self-generated held-out pairs are sampled with seed + 1, so they are not the training pairs' samples;
     with a judge (judge.JudgeVerifier) they are labelled by it instead of --task's verifier.
     """
     size = args.train_pairs if split == "train" else args.eval_pairs
+    index = decontamination_index(args.preset) if args.decontaminate and split == "train" else None
     task = engine = None
     if args.pairs == "self-generated":
         task = task_by_name(args.task, split, size, args.seed)
@@ -106,7 +114,8 @@ def build_pairs(args, model, tokenizer, split, max_seq_len, judge=None):
         task = JudgedTask(task, judge) if judge else task
     pairs, counts, shares = preference_pairs(args.pairs, split, size, tokenizer, max_seq_len, engine=engine, task=task,
                                              samples=args.samples, max_new_tokens=args.max_new_tokens,
-                                             temperature=1.0, seed=args.seed + (task is not None and split == "test"))
+                                             temperature=1.0, seed=args.seed + (task is not None and split == "test"),
+                                             index=index)
     return pairs, counts, min(n for n, _ in shares)
 
 
@@ -138,6 +147,9 @@ def main(argv=None):
     add("--device-batch-size", type=int, help="pairs per forward/backward on each rank")
     add("--epochs", type=int, help="passes over the training pairs")
     add("--eval-every", type=int, help="held-out evaluation every N steps (and before and after)")
+    add("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
+        help="drop training pairs that overlap an evaluation set in use (tasks.NgramIndex, the rule of every stage); "
+             "default on for full, off for tiny (the synthetic family is split by question hash)")
     add_judge_flags(parser)
     add("--dry-run", action="store_true", help="build model, pairs and optimizers, print the plan and stop")
     args = parser.parse_args(argv)
@@ -176,9 +188,8 @@ def main(argv=None):
                          "use more data (--train-pairs, --samples) or a smaller --batch-size")
 
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
-                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac, head_lr_mult=args.head_lr_mult)
     head_group = optimizers[0].param_groups[-1]  # ScalarHeadModel.setup_optimizers appends the head last
-    head_group["lr"] = head_group["initial_lr"] = head_group["initial_lr"] * args.head_lr_mult
     print0(f"plan: {num_steps} steps of {args.batch_size} pairs over {min_pairs * world_size} pairs "
            f"({args.epochs} epoch(s)), lr-frac {args.lr_frac}, head lr {head_group['lr']:.2e}, linear decay to 0")
     if args.dry_run:
@@ -188,7 +199,7 @@ def main(argv=None):
 
     evaluate = partial(evaluate_pairs, model, eval_pairs, args.device_batch_size, args.center_coef, pad_id, device)
     history = [{"step": 0, **evaluate()}]
-    print0(f"step 0: held-out accuracy {history[0]['accuracy']:.1%} (the zero head ties every pair)")
+    print0(f"step 0: held-out accuracy {history[0]['accuracy']:.1%} (the zero head ties every pair: 50%)")
     learner = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp \
         else model
     logger = common.Logger(args.run, vars(args))
@@ -209,7 +220,7 @@ def main(argv=None):
                 chosen, rejected = pair_scores(learner, pairs, pad_id, device)
                 losses = reward_model_loss(chosen, rejected, args.center_coef)
                 (losses.mean() / micro_steps).backward()
-            stats += torch.stack([losses.detach().sum(), (chosen > rejected).sum().float()])
+            stats += torch.stack([losses.detach().sum(), pair_accuracy_sum(chosen, rejected).float()])
         for optimizer in optimizers:
             optimizer.step()
         model.zero_grad(set_to_none=True)

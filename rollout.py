@@ -283,14 +283,43 @@ def mismatch_weights(trainer_logp, engine_logp, mode="tis", cap=2.0, window=(0.5
     raise ValueError(f"unknown mismatch correction {mode!r}; expected none, tis or mask")
 
 
+def global_moments(pairs, device):
+    """
+    (n, mean, var) of the entries of every (values, mask) pair of this rank where mask is 1, over all ranks: one
+    all-reduce of (n, sum x, sum x^2) in float64, then mean = sum x / n and var = sum x^2 / n - mean^2 (population).
+    A rank with no pair or no valid entry contributes zeros and still joins the all-reduce, so every rank gets the
+    same moments and the result does not depend on how the entries are split across processes. n = 0: mean 0, var 0.
+    """
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for values, mask in pairs:
+        x, m = values.detach().double(), (mask > 0).double()
+        sums += torch.stack([m.sum(), (x * m).sum(), (x * x * m).sum()])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    n, total, squares = sums.tolist()
+    mean = total / max(n, 1.0)
+    return n, mean, max(squares / max(n, 1.0) - mean * mean, 0.0)
+
+
+def whiten(values, mask, moments, eps=1e-8):
+    """
+    PPO's advantage whitening (OpenAI baselines ppo2; Ziegler et al. 2019): (x - mean) / (std + eps) where mask is
+    1, 0 elsewhere; moments = global_moments(...) of the whole batch over every rank (n, mean, var).
+    """
+    _, mean, var = moments
+    return (values - mean) / (math.sqrt(var) + eps) * (mask > 0)
+
+
 def normalize_scores(scores, eps=1e-6):
     """
     Per-batch normalisation of reward-model scores (N,): z = (s - mean(s)) / (std(s) + eps), population std, over
-    the step's completions (each rank's own). A reward model's scale and offset are arbitrary (only
-    differences are trained); fixing them per batch keeps the KL coefficient and the critic's targets on one scale.
-    (GRPO's std-scaled group advantages are unchanged by it; the KL term's weight relative to the reward is not.)
+    the step's completions of every rank (global_moments: the z-scores do not depend on the number of processes).
+    A reward model's scale and offset are arbitrary (only differences are trained); fixing them per batch keeps
+    the KL coefficient and the critic's targets on one scale. (GRPO's std-scaled group advantages are unchanged by
+    it; the KL term's weight relative to the reward is not.)
     """
-    return (scores - scores.mean()) / (scores.std(unbiased=False) + eps)
+    _, mean, var = global_moments([(scores, torch.ones_like(scores))], scores.device)
+    return ((scores - mean) / (math.sqrt(var) + eps)).to(scores.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -422,9 +451,11 @@ class RolloutWorker:
     """
     Overlapped rollouts (--async; AReaL, Fu et al. 2025; verl's one-step off-policy mode): a separate process with
     its own copy of the model generates the groups of a step while the learner updates on the previous ones.
-    submit(step, version, model, seed) sends the learner's current weights (version: the number of updates behind
-    them) and asks for step's groups; result() waits for the next batch. Every group records the version that
-    sampled it (all its completions share it) and its completions the behavior log-probs of that version, so the learner's mismatch correction (mismatch_weights:
+    submit(step, version, weights, seed) sends a state dict of the policy (version: the number of updates behind
+    it) and asks for step's groups; `pending` keeps the last job's {"version", "weights"}, what a checkpoint stores
+    so that a resumed run asks for its first step with the same weights as the uninterrupted run; result() waits
+    for the next batch. Every group records the version that sampled it (all its completions share it) and its
+    completions the behavior log-probs of that version, so the learner's mismatch correction (mismatch_weights:
     pi_learner / pi_behavior, truncated) covers the staleness as it covers the engine/trainer gap. With delay 1 the
     loop submits step k + 1 with the weights of step k before it updates on step k; with delay 0 after the update:
     the same batches as the synchronous loop, only in another process.
@@ -438,8 +469,9 @@ class RolloutWorker:
                                              self.jobs, self.results))
         self.process.start()
 
-    def submit(self, step, version, model, seed):
-        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    def submit(self, step, version, weights, seed):
+        state = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+        self.pending = {"version": version, "weights": state}
         self.jobs.put((step, version, state, seed))
 
     def result(self):
@@ -453,6 +485,18 @@ class RolloutWorker:
     def close(self):
         self.jobs.put(None)
         self.process.join(timeout=30)
+
+
+def fresh_groups(groups, sources, step, max_age):
+    """
+    The staleness bound of overlapped rollouts (AReaL, Fu et al. 2025: at most eta versions between sampler and
+    learner): (the groups sampled at most max_age updates before `step`, their entries of `sources`, how many were
+    dropped). A group's age is step - group["version"]; the truncated importance weight (mismatch_weights) corrects
+    a small sampler/learner gap, not an arbitrarily old policy.
+    """
+    fresh = [step - group["version"] <= max_age for group in groups]
+    return ([g for g, keep in zip(groups, fresh) if keep], [s for s, keep in zip(sources, fresh) if keep],
+            fresh.count(False))
 
 
 def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64,
@@ -623,7 +667,9 @@ def token_logprobs(model, inputs, targets, sampling):
     from (engine.sampling_logprobs: same temperature, top-k, top-p) and that distribution's entropy (no gradient).
     Computed a chunk of positions at a time (GPT.chunked_logits): the (B, T, V) logits never exist whole.
     sampling["temperature"] may be a tensor (B,), one per row (PTGS): the logits are divided by it first, which is
-    what sampling_logprobs does with a scalar before its top-k/top-p cut.
+    what sampling_logprobs does with a scalar before its top-k/top-p cut. Entropy is then (B, T, 2): at each row's
+    temperature, and of the untempered policy (softmax of the logits): rows drawn at 0.7 and 1.5 have entropies
+    that differ by the temperature alone, so only the second compares across rows and runs.
     """
     row_temperature = ()
     if torch.is_tensor(sampling["temperature"]):  # per row: expanded to every position, chunked like the targets
@@ -631,11 +677,15 @@ def token_logprobs(model, inputs, targets, sampling):
         sampling = {**sampling, "temperature": 1.0}
 
     def score(logits, target, *temperature):  # (N, V), (N,), optionally (N,)
+        untempered = logits
         if temperature:
             logits = logits / temperature[0][:, None]
         logprobs = sampling_logprobs(logits, **sampling)  # (N, V)
         logp = logprobs.gather(-1, target.clamp(min=0)[:, None]).squeeze(-1).clamp(min=LOGP_FLOOR)  # (N,)
         entropy = torch.special.entr(logprobs.detach().exp()).sum(-1)  # (N,); entr(0) = 0 where top-k/top-p cut
+        if temperature:
+            base = torch.special.entr(untempered.detach().float().softmax(-1)).sum(-1)  # (N,)
+            entropy = torch.stack([entropy, base], -1)  # (N, 2)
         return logp, entropy
 
     with autocast_ctx(inputs.device):
@@ -734,7 +784,7 @@ def difficulty_filter(engine, mixture, n, low, high, max_tokens, sampling, seed,
     """
     Sample n answers to every prompt of the mixture with the starting checkpoint and keep those with
     difficulty_keep. Prints the histogram of success counts and the kept count. The counts are cached in `cache`
-    (a json file whose name keys the checkpoint, task, n and sampling) and reused when it exists.
+    (a json file in the checkpoint, named by difficulty_cache_key) and reused when it exists.
     Returns (the kept mixture, the success counts).
     """
     if cache.exists():
@@ -767,7 +817,9 @@ class TemperatureController:
         T = T_ref * tau ** ((q - p) / (1 - q))    if p > q    (an easy task: down to T_ref / tau, sharpen)
 
     so T = T_ref at p = q. With q = 0.5, tau = 1.5, T_ref = 1 the draws 0.1, 0.5, 0.9 give 1.5^0.8 = 1.383,
-    1.000 and 1.5^-0.8 = 0.723. The state (counts and the RNG) goes into the checkpoint.
+    1.000 and 1.5^-0.8 = 0.723. The state (counts and the RNG) goes into the checkpoint. Under several ranks
+    (Rollouts) every rank applies every rank's outcomes of a step, so the counts are the same on all of them, and
+    each rank reseeds the RNG per step from (seed, step, rank): rank 0's saved counts restore every rank.
     """
 
     def __init__(self, target=0.5, tau=1.5, t_ref=1.0, gamma=0.9, prior_strength=2.0, seed=0):
@@ -808,16 +860,19 @@ def source_tally(sources):
     return {f"source/{name}/{field}": 0.0 for name in sources for field in SOURCE_FIELDS}
 
 
-def account_kept_groups(tally, groups, sources, group_size, adv_scale, adv_baseline, mask_truncated):
+def account_sources(tally, micros):
     """
-    Per source, the kept groups' valid tokens (mask 1) and their loss mass: sum over valid tokens of |A|, the
-    weight each source has in the token-mean policy gradient. Adds to tally (source_tally keys).
+    Per source, the trained rows' valid tokens (mask 1) and their loss mass: sum over valid tokens of |A_t|, the
+    weight each source has in the token-mean policy gradient, from the advantages the loss will use (GRPO's group
+    advantage (B,) on every token of its row; PPO's whitened GAE advantages (B, T)). Adds to tally (source_tally
+    keys); each micro-batch names the source of each row in micro["sources"] (learner_batches).
     """
-    for name in set(sources):
-        mine = [g for g, source in zip(groups, sources) if source == name]
-        for _, mask, _, advantage in learner_rows(mine, group_size, adv_scale, adv_baseline, mask_truncated):
-            tally[f"source/{name}/valid_tokens"] += sum(mask)
-            tally[f"source/{name}/loss_mass"] += abs(advantage) * sum(mask)
+    for micro in micros:
+        advantages = micro["advantages"] if micro["advantages"].dim() == 2 else micro["advantages"][:, None]
+        tokens, mass = micro["mask"].sum(1).tolist(), (advantages.abs() * micro["mask"]).sum(1).tolist()  # (B,)
+        for name, n, m in zip(micro["sources"], tokens, mass):
+            tally[f"source/{name}/valid_tokens"] += n
+            tally[f"source/{name}/loss_mass"] += m
 
 
 # -----------------------------------------------------------------------------
@@ -833,8 +888,8 @@ def add_flags(parser):
                        "logs count each source apart); held-out splits evaluated")
     add("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
         help="drop training prompts that overlap an evaluation set in use or the held-out problems "
-             "(tasks.decontamination_index, 13-grams); default on for full, off for tiny (the synthetic family is "
-             "split by question hash)")
+             "(tasks.decontamination_index: 13-grams, whole short questions); default on for full, off for tiny "
+             "(the synthetic family is split by question hash)")
     add("--difficulty-filter", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
         help="before RL, sample --difficulty-samples answers per training prompt with the start checkpoint and keep "
              "prompts whose success rate is strictly inside (LOW, HIGH), e.g. 0.1 0.9 (cached in the checkpoint)")
@@ -851,6 +906,9 @@ def add_flags(parser):
              "updates on step k (one step off policy; see RolloutWorker)")
     add("--async-delay", type=int, choices=(0, 1), default=1,
         help="policy versions between sampler and learner under --async (0: no overlap, the synchronous batches)")
+    add("--max-policy-age", type=int, default=1,
+        help="under --async, groups sampled more than this many updates before the learner's step are dropped and "
+             "counted (rollout/stale_groups); at least --async-delay")
     add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
     add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
     add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
@@ -904,17 +962,53 @@ def add_flags(parser):
     add("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
     add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
     # evaluation and saving
-    add("--eval-every", type=int, help="held-out evaluation every N steps (and at the start and the end)")
+    add("--eval-every", type=int,
+        help="held-out evaluation every N steps, and at the start and the end (0: only at the start and the end)")
     add("--eval-problems", type=int, help="held-out problems evaluated")
     add("--eval-samples", type=int, help="samples per held-out problem: pass@1 and pass@N")
     add("--eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
-    add("--save-every", type=int, help="checkpoint every N steps, for --resume")
+    add("--save-every", type=int, help="checkpoint every N steps, for --resume (0: only the final checkpoint)")
     add("--dry-run", action="store_true",
         help="build the model, optimizers and data, print the plan (rl.py: its budget) and stop")
 
 
+# Every numeric flag of the RL stages and the values it accepts: (test, what the error says it must be). A value
+# outside them would otherwise fail mid-run (a division by zero, an empty batch) or be silently meaningless.
+NUMERIC_FLAGS = {
+    "num_steps": (lambda v: v >= 1, ">= 1"), "prompts_per_step": (lambda v: v >= 1, ">= 1"),
+    "group_size": (lambda v: v >= 2, ">= 2 (a group's advantages compare its answers)"),
+    "max_tokens": (lambda v: v >= 1, ">= 1"), "train_size": (lambda v: v is None or v >= 1, ">= 1"),
+    "temperature": (lambda v: v > 0, "> 0 (the learner scores at it; --eval-temperature 0 is greedy evaluation)"),
+    "eval_temperature": (lambda v: v >= 0, ">= 0 (0: greedy)"),
+    "top_k": (lambda v: v is None or v >= 1, ">= 1"), "top_p": (lambda v: v is None or 0 < v <= 1, "in (0, 1]"),
+    "max_sampling_rounds": (lambda v: v >= 1, ">= 1"), "oversample": (lambda v: v >= 1, ">= 1"),
+    "difficulty_samples": (lambda v: v >= 1, ">= 1"),
+    "difficulty_filter": (lambda v: v is None or 0 <= v[0] < v[1] <= 1, "LOW HIGH with 0 <= LOW < HIGH <= 1"),
+    "overlong_buffer": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "eps_low": (lambda v: 0 <= v <= 1, "in [0, 1]"), "eps_high": (lambda v: v >= 0, ">= 0"),
+    "kl_coef": (lambda v: v >= 0, ">= 0 (0: off)"), "tis_cap": (lambda v: v > 0, "> 0"),
+    "mask_window": (lambda v: 0 <= v[0] < v[1], "LOW HIGH with 0 <= LOW < HIGH"),
+    "epochs": (lambda v: v >= 1, ">= 1"), "minibatches": (lambda v: v >= 1, ">= 1"),
+    "device_batch_tokens": (lambda v: v >= 1, ">= 1"), "lr_frac": (lambda v: v > 0, "> 0"),
+    "warmup_steps": (lambda v: v >= 0, ">= 0 (0: none)"), "max_grad_norm": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "eval_every": (lambda v: v >= 0, ">= 0 (0: only at the start and the end)"),
+    "eval_problems": (lambda v: v >= 1, ">= 1"), "eval_samples": (lambda v: v >= 1, ">= 1"),
+    "save_every": (lambda v: v >= 0, ">= 0 (0: only the final checkpoint)"),
+    "ptgs_target": (lambda v: 0 < v < 1, "in (0, 1)"), "ptgs_tau": (lambda v: v >= 1, ">= 1"),
+    "ptgs_gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"), "ptgs_prior": (lambda v: v > 0, "> 0"),
+    "max_policy_age": (lambda v: v >= 0, ">= 0"),
+}
+
+
+def check_numeric_flags(parser, args, rules):
+    """parser.error (one line, exit 2) on the first flag of `rules` ({dest: (test, text)}) whose value fails."""
+    for dest, (ok, must) in rules.items():
+        if not ok(getattr(args, dest)):
+            parser.error(f"--{dest.replace('_', '-')} must be {must}, got {getattr(args, dest)}")
+
+
 def finish_args(parser, args):
-    """Fill the preset's and the loss kind's defaults, then refuse the combinations that cannot run."""
+    """Fill the preset's and the loss kind's defaults, then refuse the values and combinations that cannot run."""
     args.fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
@@ -934,6 +1028,9 @@ def finish_args(parser, args):
                          f"got {args.dual_clip}")
     if args.kl_coef is None:
         args.kl_coef = 0.05 if args.reward == "rm" else 0.0
+    check_numeric_flags(parser, args, NUMERIC_FLAGS)
+    if args.overlong_buffer > args.max_tokens:
+        parser.error(f"--overlong-buffer {args.overlong_buffer} is longer than --max-tokens {args.max_tokens}")
     if args.reward == "rm" and args.rm_ckpt is None:
         parser.error("--reward rm needs --rm-ckpt PATH (a checkpoint written by rm.py)")
     if args.reward == "rm" and args.overlong_buffer:
@@ -944,6 +1041,16 @@ def finish_args(parser, args):
         parser.error("--reward judge with --async is not supported: the rollout process would need its own judge "
                      "client; drop --async")
     parse_task_mixture(args.task)  # a bad --task fails before any model is loaded
+    if args.ptgs and args.reward == "rm":
+        parser.error("--ptgs with --reward rm: the controller learns each task's success rate from the verifier, "
+                     "not from the reward model's score that is optimised (with no verifier every task looks "
+                     "unsolved and temperatures climb to the cap); use one or the other")
+    if args.async_rollouts and args.max_policy_age < args.async_delay:
+        parser.error(f"--max-policy-age {args.max_policy_age} is below --async-delay {args.async_delay}: every "
+                     "overlapped batch would be dropped as stale")
+    if args.async_rollouts and args.async_delay > 0 and args.mismatch == "none":
+        parser.error("--async samples with weights one update old; --mismatch none would train on them uncorrected: "
+                     "use --mismatch tis or mask (or --async-delay 0)")
     if args.async_rollouts and args.ptgs:
         raise ValueError("--async with --ptgs is not supported: the controller would draw in the worker from a "
                          "posterior the learner updates; use one or the other")
@@ -989,19 +1096,34 @@ def prepare_prompts(args, world_size):
     return train_task, test_task, eval_indices, decontaminated
 
 
+def difficulty_cache_key(args, mixture, sampling):
+    """
+    The key of the difficulty filter's cached success counts: everything they depend on. The prompts themselves
+    (every row's messages, in order: whatever --task, --train-size, --decontaminate, --eval-problems or the preset
+    made of them), the samples per prompt, the token budget, the sampling, the seed, and what scores the answers
+    (the task's verifier, or the judge of --reward judge).
+    """
+    digest = hashlib.sha256()
+    for k in range(len(mixture)):
+        digest.update(json.dumps(mixture[k]["messages"], sort_keys=True).encode())
+    scorer = (args.judge_url, args.judge_model, args.judge_rubric) if args.reward == "judge" else "verifier"
+    return mix_seed(digest.hexdigest(), args.difficulty_samples, args.max_tokens, sorted(sampling.items()), args.seed,
+                    scorer)
+
+
 def difficulty_prompts(args, engine, train_task, ckpt, resume, sampling):
     """--difficulty-filter: the training prompts the start checkpoint neither always nor never solves (cached)."""
     if not args.difficulty_filter:
         return train_task
-    key = mix_seed(args.task, args.train_size, args.decontaminate, args.difficulty_samples, args.max_tokens,
-                   sorted(sampling.items()), args.seed)
-    cache = resolve_checkpoint(ckpt) / f"difficulty_{key:016x}.json"
+    cache = resolve_checkpoint(ckpt) / f"difficulty_{difficulty_cache_key(args, train_task, sampling):016x}.json"
     if resume and not cache.exists():
         raise ValueError(f"--difficulty-filter on resume needs the start checkpoint's counts {cache}; rerun from "
                          "the start checkpoint without --resume")
     with autocast_ctx(next(engine.model.parameters()).device):
         kept, _ = difficulty_filter(engine, train_task, args.difficulty_samples, *args.difficulty_filter,
                                     args.max_tokens, sampling, mix_seed(args.seed, "difficulty"), cache)
+    if len(train_task.tasks) > 1:  # the filter keeps more of a source of the right difficulty: the shares move
+        print0(f"mixture after the difficulty filter: training prompts per source {kept.counts()}")
     if len(kept) < args.prompts_per_step:
         raise ValueError(f"the difficulty filter kept {len(kept)} prompts, fewer than --prompts-per-step "
                          f"{args.prompts_per_step}; widen (LOW, HIGH) or add prompts")
@@ -1014,21 +1136,22 @@ class Rollouts:
     PTGS temperatures (--ptgs), the reward model's scores (--reward rm) and the per-source accounting.
     worker_ckpt: the checkpoint the worker process builds its tokenizer and model from: the start checkpoint, or
     --out on resume (its weights are replaced by each job's).
-    adv: (scale, baseline) of the group advantages the per-source loss mass is counted with.
+    state: what state_dict() saved in the checkpoint resumed from (the PTGS counts; under --async the weights the
+    worker was asked to sample the next step with: one update older than the checkpoint's with --async-delay 1).
     """
 
-    def __init__(self, args, engine, task, worker_ckpt, start_step, reward_model=None, adv=("std", "mean"),
-                 ptgs_state=None):
+    def __init__(self, args, engine, task, worker_ckpt, start_step, reward_model=None, state=None):
+        state = state or {}
         _, rank, _, world_size = get_dist_info()
-        self.args, self.engine, self.task, self.reward_model, self.adv = args, engine, task, reward_model, adv
+        self.args, self.engine, self.task, self.reward_model = args, engine, task, reward_model
         self.device = next(engine.model.parameters()).device
         self.pad_id = engine.tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
-        self.ptgs = None
-        if args.ptgs:  # each rank keeps its own controller (its prompts differ)
+        self.rank, self.ptgs = rank, None
+        if args.ptgs:  # one controller, the same on every rank: each step's outcomes are gathered from all ranks
             self.ptgs = TemperatureController(args.ptgs_target, args.ptgs_tau, args.temperature, args.ptgs_gamma,
-                                              args.ptgs_prior, seed=mix_seed(args.seed, "ptgs", rank))
-            if ptgs_state is not None:
-                self.ptgs.load_state_dict(ptgs_state)
+                                              args.ptgs_prior)
+            if "ptgs" in state:
+                self.ptgs.load_state_dict(state["ptgs"])
         self.sample_kwargs = dict(
             num_groups=args.prompts_per_step // world_size, group_size=args.group_size, max_tokens=args.max_tokens,
             sampling=dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
@@ -1038,16 +1161,28 @@ class Rollouts:
         self.worker = None
         if args.async_rollouts:
             self.worker = RolloutWorker(worker_ckpt, self.device, task, self.sample_kwargs)
-            self.worker.submit(start_step, start_step, engine.model, mix_seed(args.seed, start_step))
+            sampler = state.get("sampler", {"version": start_step, "weights": engine.model.state_dict()})
+            self.worker.submit(start_step, sampler["version"], sampler["weights"], mix_seed(args.seed, start_step))
+
+    def state_dict(self):
+        """What a checkpoint keeps so that a resumed run continues exactly: the PTGS counts (the same on every rank:
+        each step's outcomes are gathered from all) and the worker's pending job's version and weights."""
+        state = {}
+        if self.ptgs is not None:
+            state["ptgs"] = self.ptgs.state_dict()
+        if self.worker is not None:
+            state["sampler"] = self.worker.pending
+        return state
 
     def next_groups(self, step):
         """
         (groups, tally, info) of this rank for `step`: the kept groups (sample_groups' layout; under --reward rm their
         rewards are the reward model's normalised scores), the rollout's counts to reduce over ranks (sample_groups'
-        stats, per-source counters, rm_score_sum) and, under --async, {"rollout_s", "ages"}.
+        stats, per-source counters, rm_score_sum) and, under --async, {"rollout_s", "ages"}; under --async the groups
+        older than --max-policy-age are dropped (fresh_groups) and counted in the tally's "stale_groups".
         """
         args = self.args
-        by_source, kept_sources = source_tally(self.task.tasks), []
+        by_source, kept_sources, outcomes = source_tally(self.task.tasks), [], []
 
         def on_group(conversation, rewards, errors, kept):
             name = conversation["source"]
@@ -1057,21 +1192,33 @@ class Rollouts:
                 kept_sources.append(name)
             if self.ptgs is not None:  # every scored group, before zero-contrast groups are dropped
                 valid = [r for r, error in zip(rewards, errors) if not error]
-                self.ptgs.update(conversation["task_id"], sum(r > 0 for r in valid), sum(r <= 0 for r in valid))
+                outcomes.append((conversation["task_id"], sum(r > 0 for r in valid), sum(r <= 0 for r in valid)))
 
         info = {}
         if self.worker is None:
-            temperature_of = (lambda c: round(self.ptgs.draw(c["task_id"]), 2)) if self.ptgs else None
+            temperature_of = None
+            if self.ptgs is not None:  # this rank's draws: a stream of its own per step, so a resume redraws them
+                self.ptgs.rng.seed(mix_seed(args.seed, "ptgs", step, self.rank))
+                temperature_of = lambda c: round(self.ptgs.draw(c["task_id"]), 2)  # noqa: E731
             with autocast_ctx(self.device):
                 groups, rollout = sample_groups(self.engine, self.task, seed=mix_seed(args.seed, step),
                                                 **self.sample_kwargs, on_group=on_group, temperature_of=temperature_of)
+            if self.ptgs is not None:  # every rank's outcomes, in rank order: the posteriors see all the evidence
+                everyone = [outcomes]
+                if dist.is_initialized():
+                    everyone = [None] * dist.get_world_size()
+                    dist.all_gather_object(everyone, outcomes)
+                for task_id, successes, failures in (o for rank_outcomes in everyone for o in rank_outcomes):
+                    self.ptgs.update(task_id, successes, failures)
         else:  # the batch the worker sampled with older weights; then, with delay 1, ask for the next one at once
             _, version, groups, rollout, records, info["rollout_s"] = self.worker.result()
             for source, kept in records:
                 on_group({"source": source}, [], [], kept)
             info["ages"] = [step - group["version"] for group in groups] or [step - version]
+            groups, kept_sources, rollout["stale_groups"] = fresh_groups(groups, kept_sources, step,
+                                                                         args.max_policy_age)
             if args.async_delay == 1 and step + 1 < args.num_steps:
-                self.worker.submit(step + 1, step, self.engine.model, mix_seed(args.seed, step + 1))
+                self.worker.submit(step + 1, step, self.engine.model.state_dict(), mix_seed(args.seed, step + 1))
         rm_score_sum = 0.0
         if self.reward_model is not None:  # --reward rm: the reward model's normalised scores replace the verifier's
             raw = reward_model_scores(self.reward_model, groups, self.pad_id, self.device,
@@ -1080,13 +1227,14 @@ class Rollouts:
             normalized = normalize_scores(raw).tolist()
             for g, group in enumerate(groups):
                 group["rewards"] = normalized[g * args.group_size:(g + 1) * args.group_size]
-        account_kept_groups(by_source, groups, kept_sources, args.group_size, *self.adv, args.mask_truncated)
+        for group, name in zip(groups, kept_sources):  # the learner counts each source's tokens (account_sources)
+            group["source"] = name
         return groups, {**rollout, **by_source, "rm_score_sum": rm_score_sum}, info
 
     def after_update(self, step):
         """--async --async-delay 0: ask for step + 1's groups with the weights this step's update produced."""
         if self.worker is not None and self.args.async_delay == 0 and step + 1 < self.args.num_steps:
-            self.worker.submit(step + 1, step + 1, self.engine.model, mix_seed(self.args.seed, step + 1))
+            self.worker.submit(step + 1, step + 1, self.engine.model.state_dict(), mix_seed(self.args.seed, step + 1))
 
     def close(self):
         if self.worker is not None:
@@ -1098,7 +1246,8 @@ def learner_batches(groups, args, pad_id, device, adv=None):
     Step 3 of both loops: the groups split into --minibatches (by group), each as micro-batches of at most
     --device-batch-tokens padded positions (sorted by length: less padding, same loss). adv (scale, baseline): rows
     carry group advantages; None: their raw rewards (ppo.py turns them into per-token rewards). PTGS rows carry
-    their group's temperature. Returns (minibatches, [real, padded] positions).
+    their group's temperature; every micro-batch names each row's source (micro["sources"]). Returns (minibatches,
+    [real, padded] positions).
     """
     minibatches, positions = [], [0, 0]
     for m in range(args.minibatches):
@@ -1107,8 +1256,10 @@ def learner_batches(groups, args, pad_id, device, adv=None):
         rows = learner_rows(part, args.group_size, scale, baseline, args.mask_truncated, raw_rewards=adv is None)
         if args.ptgs:  # each row carries its group's temperature (collate_rollouts)
             rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in part for _ in g["completions"]))]
+        sources = [g["source"] for g in part for _ in g["completions"]]  # of each row (account_sources)
         batches, _ = token_budget_batches([[len(row[0]) - 1] for row in rows], args.device_batch_tokens)
-        minibatches.append([collate_rollouts([rows[i] for i in batch], pad_id, device) for batch in batches])
+        minibatches.append([{**collate_rollouts([rows[i] for i in batch], pad_id, device),
+                             "sources": [sources[i] for i in batch]} for batch in batches])
         positions[0] += sum(len(row[0]) - 1 for row in rows)
         positions[1] += sum(int(micro["inputs"].numel()) for micro in minibatches[-1])
     return minibatches, positions
@@ -1116,23 +1267,27 @@ def learner_batches(groups, args, pad_id, device, adv=None):
 
 def learner_tally(rollout_tally, groups, positions):
     """A step's counters, the same keys on every rank (reduce_tally): the rollout's, then the learner's, zeroed."""
-    return {**rollout_tally, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0, "gap_sum": 0.0,
-            "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0, "clip_low_sum": 0.0,
-            "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf,
-            "positions_real": positions[0], "positions_padded": positions[1], "value_loss_sum": 0.0,
-            "value_clip_sum": 0.0}
+    return {**rollout_tally, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0,
+            "entropy_t1_sum": 0.0, "gap_sum": 0.0, "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0,
+            "loss_tokens": 0, "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf,
+            "ratio_max": -math.inf, "positions_real": positions[0], "positions_padded": positions[1],
+            "value_loss_sum": 0.0, "value_clip_sum": 0.0}
 
 
 def score_old(micro, old_logp, entropy, tally, args):
     """
     A micro-batch's old log-probs (the weights that sampled it, as the learner scores them), its mismatch weights
-    against the engine's behavior log-probs, and the gap and entropy it adds to the tally.
+    against the engine's behavior log-probs, and the gap and entropy it adds to the tally (under PTGS also the
+    untempered policy's entropy: token_logprobs' entropy (B, T, 2)).
     """
     micro["old_logp"], mask = old_logp, micro["mask"]
     micro["weights"] = mismatch_weights(old_logp, micro["behavior"], args.mismatch, args.tis_cap, args.mask_window)
     gap = (old_logp - micro["behavior"]).abs() * mask
     tally["gap_sum"] += float(gap.sum())
     tally["gap_max"] = max(tally["gap_max"], float(gap.max()))
+    if entropy.dim() == 3:
+        tally["entropy_t1_sum"] += float((entropy[..., 1] * mask).sum())
+        entropy = entropy[..., 0]
     tally["entropy_sum"] += float((entropy * mask).sum())
     tally["trained_tokens"] += int(mask.sum())
     tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
@@ -1223,7 +1378,10 @@ def step_metrics(tally, optimizer_steps, grad_norms, seconds, info, sources, sou
     if "rollout_s" in info:  # --async: rollout is the worker's generation time; idle the learner waiting for it
         metrics.update({"time/rollout_s": info["rollout_s"], "time/idle_s": rollout_s,
                         "time/rollout_tokens_per_s": tally["length_sum"] / max(info["rollout_s"], 1e-9),
-                        "policy/age_mean": sum(info["ages"]) / len(info["ages"]), "policy/age_max": max(info["ages"])})
+                        "policy/age_mean": sum(info["ages"]) / len(info["ages"]), "policy/age_max": max(info["ages"]),
+                        "rollout/stale_groups": tally["stale_groups"]})
+    if tally["entropy_t1_sum"]:  # PTGS: the untempered policy's entropy, comparable across temperatures
+        metrics["policy/entropy_t1"] = tally["entropy_t1_sum"] / tokens
     if tally["loss_tokens"]:
         metrics.update({"policy/ratio_mean": tally["ratio_sum"] / loss_tokens,
                         "policy/ratio_min": tally["ratio_min"], "policy/ratio_max": tally["ratio_max"]})
@@ -1252,7 +1410,9 @@ def print_step(step, num_steps, metrics, extra_line, seconds, eta):
            f"pad {metrics['batch/padding_frac']:.0%} "
            f"| loss {metrics['policy/loss']:+.4f} "
            f"clip {metrics['policy/clip_low']:.3f}/{metrics['policy/clip_high']:.3f} "
-           f"| entropy {metrics['policy/entropy']:.3f} | gap {metrics['mismatch/logp_gap_mean']:.1e} "
+           f"| entropy {metrics['policy/entropy']:.3f} "
+           + (f"(T 1: {metrics['policy/entropy_t1']:.3f}) " if "policy/entropy_t1" in metrics else "")
+           + f"| gap {metrics['mismatch/logp_gap_mean']:.1e} "
            f"| rollout {metrics['time/rollout_s']:.1f}s {metrics['time/rollout_tokens_per_s']:.0f} tok/s, "
            f"learn {seconds[1]:.1f}s " + idle + f"| ETA {format_eta(eta)}")
 

@@ -398,7 +398,8 @@ def main(argv=None):
                              "against forgetting it (0: none; default: the preset's, measured, see the docstring)")
     parser.add_argument("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
                         help="drop training rows that overlap an evaluation set in use (tasks.NgramIndex: a shared "
-                             "13-gram of normalised words); default on for full, off for tiny (split by question hash)")
+                             "13-gram of normalised words or a whole short question); default on for full, off for "
+                             "tiny (split by question hash)")
     parser.add_argument("--dry-run", action="store_true", help="build the model, data and optimizers, print the plan "
                         "and stop before the first forward pass")
     parser.add_argument("--rft-rounds", type=int, default=0, help="rejection-sampling fine-tuning rounds (0: plain "

@@ -254,6 +254,9 @@ class SyntheticTask:
 # Decontamination: training rows that share text with an evaluation item are dropped before any stage trains.
 
 DECONTAMINATION_N = 13  # the 13-gram rule of GPT-3 (Brown et al. 2020, appendix C) and most reports since
+# An evaluation text shorter than this many words ('Define entropy.') is a phrase any document may say in passing:
+# it is matched only when a whole training text equals it, never as a run inside one.
+DECONTAMINATION_MIN_RUN = 5
 _WORD = re.compile(r"[^\W_]+|[-+*/=]")
 
 
@@ -279,36 +282,45 @@ def row_texts(row):
 class NgramIndex:
     """
     The evaluation sets' n-grams, built once; `contaminated(row)` tells whether a training row overlaps them.
-    Rule: a text overlaps when it shares one n-gram of normalized_words with an evaluation text of >= n words, or
-    when its whole normalized text equals an evaluation text shorter than n words (a short question like 'What is
-    3 + 4?' is matched exactly: as an n-gram of its own length it would flag every document that says it in
-    passing). n-grams are stored as 64-bit hashes: ~8 bytes per evaluation n-gram, and the check of a training
-    text is one hash of each of its words plus a vectorised rolling hash (bench/decontaminate.py: the cost
-    per word of FineWeb-like text). Python's str hash is salted per process: an index is used where it is built.
+    Rule: a text overlaps when it contains, as a contiguous run of normalized_words, an n-gram of an evaluation text
+    of >= n words, or the whole of an evaluation text of DECONTAMINATION_MIN_RUN to n - 1 words ('What is 3 + 4?' is
+    found inside 'Q: what is 3+4? Answer briefly.': a short question copied into a prompt is still a copy); an
+    evaluation text of fewer words only when a whole training text equals it. Runs are stored as
+    64-bit hashes, one set per run length (n, and each length of a short evaluation text): ~8 bytes per evaluation
+    n-gram, and the check of a training text is one hash of each of its words plus a vectorised rolling hash per
+    length (bench/decontaminate.py: the cost per word of FineWeb-like text). Python's str hash is salted per
+    process: an index is used where it is built.
     """
 
     def __init__(self, eval_texts, n=DECONTAMINATION_N):
         if n < 1:
             raise ValueError(f"decontamination n-gram length must be >= 1, got {n}")
-        self.n, self.ngrams, self.short = n, set(), set()
-        self.powers = np.cumprod(np.full(n, 1_000_003, dtype=np.int64))[::-1]  # (n,) B^n .. B^1, wrapping
+        self.n, self.runs, self.exact = n, {}, set()  # runs: {run length: hashes of the evaluation runs}
         for text in eval_texts:
             words = normalized_words(text)
-            if len(words) < n:
-                self.short.add(" ".join(words))
+            if len(words) < min(n, DECONTAMINATION_MIN_RUN):
+                self.exact.add(" ".join(words))
             else:
-                self.ngrams.update(self._hashes(words))
+                length = min(len(words), n)
+                self.runs.setdefault(length, set()).update(self._hashes(self._word_hashes(words), length))
 
-    def _hashes(self, words):
-        h = np.fromiter(map(hash, words), dtype=np.int64, count=len(words))  # (W,)
-        windows = np.lib.stride_tricks.sliding_window_view(h, self.n)  # (W - n + 1, n)
-        return (windows * self.powers).sum(1).tolist()  # int64 arithmetic wraps: a polynomial hash mod 2^64
+    @staticmethod
+    def _word_hashes(words):
+        return np.fromiter(map(hash, words), dtype=np.int64, count=len(words))  # (W,)
+
+    @staticmethod
+    def _hashes(h, length):
+        powers = np.cumprod(np.full(length, 1_000_003, dtype=np.int64))[::-1]  # (length,) B^length .. B^1, wrapping
+        windows = np.lib.stride_tricks.sliding_window_view(h, length)  # (W - length + 1, length)
+        return (windows * powers).sum(1).tolist()  # int64 arithmetic wraps: a polynomial hash mod 2^64
 
     def overlaps(self, text):
         words = normalized_words(text)
-        if " ".join(words) in self.short:
+        if " ".join(words) in self.exact:
             return True
-        return len(words) >= self.n and not self.ngrams.isdisjoint(self._hashes(words))
+        h = self._word_hashes(words)
+        return any(len(words) >= length and not runs.isdisjoint(self._hashes(h, length))
+                   for length, runs in self.runs.items())
 
     def contaminated(self, row):
         return any(self.overlaps(text) for text in row_texts(row))

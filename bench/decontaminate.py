@@ -39,7 +39,8 @@ flagged = sum(index.overlaps(doc) for doc in docs)
 check = time.time() - t0
 per_word = check / (args.docs * args.words_per_doc)
 words = 8.4e9 * 0.75
-print(f"index: {len(eval_texts):,} texts -> {len(index.ngrams):,} 13-gram hashes + {len(index.short):,} short texts "
+print(f"index: {len(eval_texts):,} texts -> {sum(map(len, index.runs.values())):,} run hashes "
+      f"({len(index.runs)} run lengths) "
       f"in {build:.1f}s")
 print(f"check: {args.docs:,} documents of {args.words_per_doc} words in {check:.1f}s = {per_word * 1e9:.0f} ns/word "
       f"({flagged} flagged)")

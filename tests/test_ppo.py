@@ -4,17 +4,21 @@ hand-computed table, the clipped value loss on both sides, explained variance, s
 rl.py's with --reward rm in-process on a real tiny model, tokenizer and engine.
 """
 
+import copy
 import json
+import math
+import os
 
 import pytest
 import torch
 
 import ppo
 import rl
+import rollout
 from common import save_checkpoint
 from engine import load_model
 from model import ScalarHeadModel
-from test_rl import LengthParity, checkpoint, model, run_rl, tokenizer  # noqa: F401 (fixtures)
+from test_rl import LengthParity, checkpoint, model, run_rl, tokenizer, torchrun  # noqa: F401 (fixtures)
 
 
 def close(actual, expected, atol=1e-6):
@@ -94,11 +98,65 @@ def test_value_loss_ignores_masked_tokens_and_uses_the_given_count():
 
 
 def test_explained_variance_and_score_normalisation():
-    returns = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    assert ppo.explained_variance(returns, returns, torch.ones(4)) == pytest.approx(1.0)
-    assert ppo.explained_variance(torch.full((4,), 2.5), returns, torch.ones(4)) == pytest.approx(0.0)
+    returns, ones = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.ones(4)
+    assert ppo.explained_variance([(returns, returns, ones)], "cpu") == pytest.approx(1.0)
+    assert ppo.explained_variance([(torch.full((4,), 2.5), returns, ones)], "cpu") == pytest.approx(0.0)
+    # constant returns: undefined (the variance ratio would divide by ~0), not -1e7
+    assert math.isnan(ppo.explained_variance([(torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.full((4,), 2.0), ones)],
+                                             "cpu"))
     z = rl.normalize_scores(torch.tensor([3.0, 5.0, 7.0, 9.0]))
     close(z, torch.tensor([-3.0, -1.0, 1.0, 3.0]) / 5 ** 0.5)
+
+
+def test_whitening_uses_the_valid_tokens_of_every_micro_batch():
+    # mean 2, population std 1 over the four valid entries 1, 1, 3, 3 of two micro-batches; masked entries are 0
+    a, b = torch.tensor([[1.0, 3.0, 99.0]]), torch.tensor([[1.0, 3.0]])
+    ma, mb = torch.tensor([[1.0, 1.0, 0.0]]), torch.ones(1, 2)
+    moments = rollout.global_moments([(a, ma), (b, mb)], "cpu")
+    assert moments == pytest.approx((4, 2.0, 1.0))
+    close(rollout.whiten(a, ma, moments), [[-1.0, 1.0, 0.0]])
+    assert rollout.global_moments([], "cpu") == (0, 0.0, 0.0)  # a rank that kept no group
+
+
+def _two_rank_moments(rank, init_file, results):
+    """One of two gloo ranks: rank 0 holds all the data, rank 1 none (a rank that kept no group)."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    advantages = torch.tensor([[1.0, 3.0, 7.0], [0.5, 2.0, 4.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    scores = torch.tensor([3.0, 5.0, 7.0, 9.0])
+    if rank == 0:  # the advantages of row 0 and the scores 3, 5
+        pairs, mine = [(advantages[:1], mask[:1])], scores[:2]
+    else:  # row 1 with a mask of zeros only, then the scores 7, 9
+        pairs, mine = [(advantages[1:], torch.zeros(1, 3)), (advantages[1:], mask[1:])], scores[2:]
+    moments = rollout.global_moments(pairs, "cpu")
+    whitened = [rollout.whiten(v, m, moments) for v, m in pairs]
+    # plain lists: a tensor would travel as shared memory that dies with this process
+    results.put((rank, moments, [w.tolist() for w in whitened], rollout.normalize_scores(mine).tolist()))
+    torch.distributed.destroy_process_group()
+
+
+def test_whitening_and_score_normalisation_are_the_same_on_one_process_and_two_ranks(tmp_path):
+    # The moments are all-reduced: 2 gloo ranks (one of them with a zero-token micro-batch) give what one process
+    # gives on the whole batch, and no NaN where a rank has nothing valid.
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_two_rank_moments, args=(rank, str(tmp_path / "init"), results))
+                 for rank in range(2)]
+    for p in processes:
+        p.start()
+    got = dict((r[0], r[1:]) for r in (results.get(timeout=120) for _ in processes))
+    for p in processes:
+        p.join(timeout=60)
+    advantages = torch.tensor([[1.0, 3.0, 7.0], [0.5, 2.0, 4.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    moments = rollout.global_moments([(advantages, mask)], "cpu")
+    whole = rollout.whiten(advantages, mask, moments)
+    assert got[0][0] == pytest.approx(moments) and got[1][0] == pytest.approx(moments)
+    close(got[0][1][0], whole[:1])
+    close(got[1][1][0], torch.zeros(1, 3))
+    close(got[1][1][1], whole[1:])
+    z = rl.normalize_scores(torch.tensor([3.0, 5.0, 7.0, 9.0]))
+    close(got[0][2] + got[1][2], z)
 
 
 # -----------------------------------------------------------------------------
@@ -125,6 +183,20 @@ def test_main_ppo_with_gae_trains_policy_and_critic_and_resumes(monkeypatch, tmp
     resumed, _, _ = load_model(out, "cpu")
     for a, b in zip(resumed.state_dict().values(), final.state_dict().values()):
         torch.testing.assert_close(a, b)
+
+
+def test_ppo_counts_each_sources_loss_mass_from_the_gae_advantages_it_trains_on(monkeypatch, tmp_path, checkpoint):
+    trained = []  # sum over valid tokens of |A_t| of every policy-loss call: the mass the update really carries
+    policy_loss = ppo.policy_loss
+
+    def spy(logp, old_logp, advantages, mask, **kwargs):
+        trained.append(float((advantages.abs() * mask).sum()))
+        return policy_loss(logp, old_logp, advantages, mask, **kwargs)
+
+    monkeypatch.setattr(ppo, "policy_loss", spy)
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "1", "--eval-every", "1", stage=ppo)
+    sources = json.loads((tmp_path / "home" / "report.jsonl").read_text().splitlines()[-1])["sources"]
+    assert trained and sources["synthetic/loss_mass"] == pytest.approx(sum(trained), rel=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +229,83 @@ def test_reward_model_flags_are_checked(monkeypatch, tmp_path, checkpoint, rewar
         run_rl(monkeypatch, tmp_path, checkpoint, "--kl-placement", "reward")
     with pytest.raises(ValueError, match="not a reward model"):  # a policy checkpoint is not a reward model
         run_rl(monkeypatch, tmp_path, checkpoint, "--reward", "rm", "--rm-ckpt", str(checkpoint), "--num-steps", "1")
+
+
+def test_critic_starts_from_the_reward_model_and_warms_up_alone(monkeypatch, tmp_path, checkpoint, capsys,
+                                                                reward_model_checkpoint):
+    out = run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "1", "--eval-every", "1", "--reward", "rm",
+                 "--rm-ckpt", str(reward_model_checkpoint), "--critic-warmup-steps", "1", stage=ppo)
+    assert "critic explained variance by step" in capsys.readouterr().out
+    final, _, _ = load_model(out, "cpu")
+    initial, _, _ = load_model(checkpoint, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), initial.state_dict().values()))
+    critic = ppo.load_checkpoint(out)[2]["critic"]
+    rm_head = load_model(reward_model_checkpoint, "cpu")[0].head.weight
+    moved = (critic["head.weight"] - rm_head).norm() / rm_head.norm()
+    assert 0 < moved < 0.2  # the reward model's head, one critic step later (a zero-started head would be ~100%)
+
+
+def test_scalar_head_learning_rate_multiplier(model):
+    adamw, _ = ScalarHeadModel(copy.deepcopy(model)).setup_optimizers(0.02, 0.2, 0.004, head_lr_mult=10.0)
+    assert adamw.param_groups[-1]["lr"] == pytest.approx(10 * adamw.param_groups[0]["lr"])
+    assert adamw.param_groups[-1]["initial_lr"] == adamw.param_groups[-1]["lr"]
+    assert ppo.parse_args([]).critic_head_lr_mult == 1.0 and ppo.parse_args([]).critic_warmup_steps == 0
+
+
+class NeverRight(LengthParity):
+    """Every answer scores 0: every group lacks contrast, and dynamic sampling keeps none."""
+
+    def reward(self, conversation, completion):
+        return 0.0
+
+
+def test_ppo_step_with_no_kept_group_trains_nothing_and_goes_on(monkeypatch, tmp_path, checkpoint, capsys):
+    out = run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "1", "--eval-every", "1",
+                 "--max-sampling-rounds", "1", task=NeverRight, stage=ppo)
+    text = capsys.readouterr().out
+    assert "kept 0" in text and "expl var n/a" in text and "step 1/1" in text
+    final, _, _ = load_model(out, "cpu")
+    initial, _, _ = load_model(checkpoint, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), initial.state_dict().values()))
+
+
+class BrokenOnRankOne(LengthParity):
+    """The verifier fails on every answer of rank 1: with --mask-truncated that rank keeps no valid token."""
+
+    def reward(self, conversation, completion):
+        if os.environ.get("RANK") == "1":
+            raise RuntimeError("verifier down on this rank")
+        return super().reward(conversation, completion)
+
+
+@pytest.mark.slow
+def test_torchrun_ppo_with_a_rank_without_valid_tokens_stays_finite_and_identical(tmp_path, checkpoint):
+    # Without global whitening rank 1's advantages were (x - NaN) / NaN, and the gradient all-reduce spread the NaN.
+    torchrun(tmp_path, checkpoint, "--num-steps", "1", "--no-filter-zero-contrast", "--mask-truncated", stage="ppo",
+             task="test_ppo.BrokenOnRankOne")
+    assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text()
+    final, _, _ = load_model(tmp_path / "rl", "cpu")
+    assert all(torch.isfinite(p).all() for p in final.state_dict().values())
+
+
+def test_rl_from_a_reward_model_does_not_scale_near_ties_to_full_size_advantages():
+    # A group scored 1.499-1.502: std scaling makes it +-1.34, as large as a real contrast; Dr. GRPO keeps it tiny.
+    scores = torch.tensor([1.499, 1.500, 1.501, 1.502])
+    close(rl.group_advantages(scores, 4, scale="std"), [-1.3416, -0.4472, 0.4472, 1.3416], atol=2e-3)
+    args = rl.parse_args(["--preset", "tiny", "--reward", "rm", "--rm-ckpt", "x"])
+    assert args.adv_scale == "none" and rl.parse_args(["--preset", "tiny"]).adv_scale == "std"
+    close(rl.group_advantages(scores, 4, scale=args.adv_scale), [-0.0015, -0.0005, 0.0005, 0.0015], atol=1e-5)
+
+
+def test_scalar_head_scores_in_float32_under_bf16_autocast(model, tokenizer):
+    # The reward model's and the critic's head: under autocast a bf16 head rounds scores to ~3 significant digits.
+    torch.manual_seed(0)
+    head = ScalarHeadModel(model)
+    torch.nn.init.normal_(head.head.weight, std=1.0)
+    torch.nn.init.normal_(head.head.bias, std=1.0)
+    idx = torch.tensor([tokenizer.encode("What is 12 + 30? Answer briefly.")])
+    with torch.no_grad(), torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        scores, hidden = head(idx), head.gpt.hidden(idx)
+    expected = hidden.float() @ head.head.weight[0] + head.head.bias
+    assert scores.dtype == torch.float32
+    close(scores, expected, atol=1e-5)

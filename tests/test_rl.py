@@ -390,32 +390,46 @@ def test_rl_raises_the_reward_of_a_random_model(monkeypatch, tmp_path, checkpoin
 
 
 DDP_DRIVER = """
-import hashlib, os, sys
+import hashlib, importlib, os, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
-import rl, rollout, test_rl
+import {stage} as stage, rollout
 from engine import Engine
-rollout.task_by_name = lambda name, split, size: test_rl.LengthParity(split, size=64)
-models = []
-rl.Engine = lambda model, tokenizer: models.append(model) or Engine(model, tokenizer)  # keep each rank's model
-rl.main(sys.argv[1:])
-digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in models[0].parameters())).hexdigest()
-with open(os.path.join({out!r}, "rank" + os.environ["RANK"]), "w") as f:
-    f.write(digest)
+task = getattr(importlib.import_module({task!r}.rpartition(".")[0]), {task!r}.rpartition(".")[2])
+rollout.task_by_name = lambda name, split, size: task(split, size=64)
+models, rollouts, Rollouts = [], [], stage.Rollouts
+stage.Engine = lambda model, tokenizer: models.append(model) or Engine(model, tokenizer)  # keep each rank's model
+stage.Rollouts = lambda *args, **kwargs: rollouts.append(Rollouts(*args, **kwargs)) or rollouts[-1]
+if __name__ == "__main__":  # not in the --async worker, which the spawn start method starts from this file
+    stage.main(sys.argv[1:])
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in models[0].parameters())).hexdigest()
+    with open(os.path.join({out!r}, "rank" + os.environ["RANK"]), "w") as f:
+        f.write(digest)
+    if rollouts and rollouts[0].ptgs is not None:  # the rank's PTGS counts at the end
+        with open(os.path.join({out!r}, "ptgs" + os.environ["RANK"]), "w") as f:
+            f.write(repr(sorted(rollouts[0].ptgs.counts.items())))
 """
+
+
+def torchrun(tmp_path, checkpoint, *flags, stage="rl", task="test_rl.LengthParity"):
+    """stage.main under torchrun, 2 gloo ranks, at test sizes; each rank writes its final weights' hash to rank<R>."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DDP_DRIVER.format(repo=str(REPO), tests=str(REPO / "tests"), out=str(tmp_path), stage=stage,
+                                        task=task))
+    env = {**os.environ, "NANOPOST_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver),
+               "--preset", "tiny", "--device", "cpu", "--ckpt", str(checkpoint), "--out", str(tmp_path / "rl"),
+               "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8", "--eval-problems", "4",
+               "--eval-samples", "2", "--device-batch-tokens", "150", *flags]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 rank(s)" in result.stdout
+    return result
 
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_end_with_identical_weights(tmp_path, checkpoint):
-    driver = tmp_path / "driver.py"
-    driver.write_text(DDP_DRIVER.format(repo=str(REPO), tests=str(REPO / "tests"), out=str(tmp_path)))
-    env = {**os.environ, "NANOPOST_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver),
-               "--preset", "tiny", "--device", "cpu", "--ckpt", str(checkpoint), "--out", str(tmp_path / "rl"),
-               "--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8",
-               "--eval-problems", "4", "--eval-samples", "2", "--minibatches", "2", "--device-batch-tokens", "150"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "2 rank(s)" in result.stdout and "step 2/2" in result.stdout
+    result = torchrun(tmp_path, checkpoint, "--num-steps", "2", "--minibatches", "2")
+    assert "step 2/2" in result.stdout
     assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text()
     final, _, meta = load_model(tmp_path / "rl", "cpu")
     initial, _, _ = load_model(checkpoint, "cpu")
@@ -590,3 +604,71 @@ def test_dual_clip_must_exceed_one_and_is_counted_as_clipped():
     logp = leaf([[math.log(4.0)], [math.log(1.5)]])
     _, stats = rl.policy_loss(logp, torch.zeros(2, 1), torch.tensor([-1.0, -1.0]), torch.ones(2, 1), dual_clip=3.0)
     assert stats["clip_high"] == 0.5 and stats["clip_low"] == 0.0
+
+
+@pytest.mark.slow
+def test_torchrun_ptgs_controller_is_the_same_on_both_ranks_and_after_a_resume(tmp_path, checkpoint):
+    # Each rank applies the outcomes of every rank's groups: one controller, saved by rank 0 and restored to all.
+    flags = ["--num-steps", "2", "--save-every", "1", "--ptgs", "--ptgs-gamma", "1", "--no-filter-zero-contrast"]
+    torchrun(tmp_path, checkpoint, *flags)
+    ends = [(tmp_path / f"{name}{rank}").read_text() for name in ("ptgs", "rank") for rank in range(2)]
+    assert ends[0] == ends[1] and ends[2] == ends[3]
+    assert sum(s + f for _, (s, f) in eval(ends[0])) == 2 * 4 * 4  # both steps' 4 groups of 4 answers each
+    (tmp_path / "rl" / "latest").write_text("step_000001")  # interrupted after step 1
+    torchrun(tmp_path, checkpoint, *flags, "--resume")
+    assert [(tmp_path / f"{name}{rank}").read_text() for name in ("ptgs", "rank") for rank in range(2)] == ends
+
+
+@pytest.mark.slow
+def test_torchrun_async_resume_continues_bit_for_bit_on_both_ranks(tmp_path, checkpoint):
+    # The checkpoint keeps the weights the worker was asked to sample the next step with (one update older).
+    flags = ["--num-steps", "3", "--save-every", "1", "--eval-every", "3", "--async"]
+    torchrun(tmp_path, checkpoint, *flags)
+    ends = [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
+    assert ends[0] == ends[1]
+    (tmp_path / "rl" / "latest").write_text("step_000002")  # interrupted after step 2
+    result = torchrun(tmp_path, checkpoint, *flags, "--resume")
+    assert [line.split("age ")[1].split()[0] for line in result.stdout.splitlines() if line.startswith("step ")] == ["1"]
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in range(2)] == ends
+
+
+def test_ptgs_is_refused_with_a_reward_model(capsys):
+    with pytest.raises(SystemExit):
+        rl.parse_args(["--preset", "tiny", "--ptgs", "--reward", "rm", "--rm-ckpt", "x"])
+    assert "--ptgs with --reward rm" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage, flag, value", [
+    (rl, "--num-steps", "0"), (rl, "--prompts-per-step", "0"), (rl, "--group-size", "1"), (rl, "--max-tokens", "0"),
+    (rl, "--train-size", "0"), (rl, "--temperature", "0"), (rl, "--eval-temperature", "-1"), (rl, "--top-k", "0"),
+    (rl, "--top-p", "1.5"), (rl, "--max-sampling-rounds", "0"), (rl, "--oversample", "0.5"),
+    (rl, "--difficulty-samples", "0"), (rl, "--overlong-buffer", "-1"), (rl, "--overlong-buffer", "9"),
+    (rl, "--eps-low", "-0.1"), (rl, "--eps-high", "-0.1"), (rl, "--kl-coef", "-1"), (rl, "--tis-cap", "0"),
+    (rl, "--epochs", "0"), (rl, "--minibatches", "0"), (rl, "--device-batch-tokens", "0"), (rl, "--lr-frac", "0"),
+    (rl, "--warmup-steps", "-1"), (rl, "--max-grad-norm", "-1"), (rl, "--eval-every", "-1"),
+    (rl, "--eval-problems", "0"), (rl, "--eval-samples", "0"), (rl, "--save-every", "-1"),
+    (rl, "--ptgs-target", "1"), (rl, "--ptgs-tau", "0.5"), (rl, "--ptgs-gamma", "2"), (rl, "--ptgs-prior", "0"),
+    ("ppo", "--gamma", "1.5"), ("ppo", "--lam", "-0.5"), ("ppo", "--value-clip", "0"),
+    ("ppo", "--critic-lr-frac", "0"),
+])
+def test_numeric_flags_out_of_range_are_refused_up_front(capsys, stage, flag, value):
+    stage = __import__(stage) if isinstance(stage, str) else stage
+    with pytest.raises(SystemExit):
+        stage.parse_args(["--preset", "tiny", "--max-tokens", "8", flag, value])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert flag in error and "must be" in error or "longer than" in error, error
+
+
+@pytest.mark.parametrize("flags", [["--mask-window", "2", "1"], ["--difficulty-filter", "0.9", "0.1"]])
+def test_numeric_pairs_out_of_order_are_refused_up_front(capsys, flags):
+    with pytest.raises(SystemExit):
+        rl.parse_args(["--preset", "tiny", *flags])
+    assert flags[0] in capsys.readouterr().err
+
+
+def test_eval_every_zero_evaluates_only_at_the_start_and_the_end(monkeypatch, tmp_path, checkpoint, capsys):
+    run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "2", "--eval-every", "0", "--save-every", "0")
+    text = capsys.readouterr().out
+    assert "eval step 0" in text and "eval step 1" not in text and "eval step 2" in text
+    assert rl.plan(rl.parse_args(["--preset", "small", "--eval-every", "0"]), GPTConfig(
+        sequence_len=1024, vocab_size=400, n_layer=2, n_head=2, n_kv_head=2, n_embd=64))

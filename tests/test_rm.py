@@ -3,6 +3,7 @@ rm.py: the Bradley–Terry loss against hand-computed numbers, the scalar head r
 the stage in-process on a real tiny model and tokenizer (trains, logs, saves a checkpoint load_model recognises).
 """
 
+import argparse
 import json
 
 import pytest
@@ -81,3 +82,31 @@ def test_rm_stage_trains_logs_and_saves_a_reward_model(tokenizer, tmp_path, monk
     assert record["pair_accuracy"] > 0.75, record  # the zero head starts at 0 (every pair tied)
     rm.main(flags + ["--resume"])
     assert "already finished" in capsys.readouterr().out
+
+
+def test_ties_count_as_half_a_correct_pair(tokenizer):
+    assert rm.pair_accuracy_sum(torch.tensor([2.0, 1.0, 0.5]), torch.tensor([1.0, 1.0, 0.7])).item() == 1.5
+    model = ScalarHeadModel(make_model(tokenizer)).eval()  # the zero head: every pair tied
+    task = SyntheticTask("train", size=4)
+    seqs = [tokenizer.render_conversation(task[i]) for i in range(4)]
+    metrics = rm.evaluate_pairs(model, [(seqs[0], seqs[1]), (seqs[2], seqs[3])], 2, 0.0, tokenizer.bos_id, "cpu")
+    assert metrics["accuracy"] == 0.5
+
+
+def test_rm_decontaminates_its_pairs_like_dpo(tokenizer, monkeypatch):
+    import dpo
+    import tasks
+    pairs = tasks.preference_mixture("synthetic", "train", 40, 0)
+    planted = [pairs[i][1]["chosen"]["messages"][0]["content"] for i in (3, 17)]  # two training prompts, as eval items
+    monkeypatch.setattr(tasks, "evaluation_texts", lambda preset: planted)
+    model = ScalarHeadModel(make_model(tokenizer))
+    args = argparse.Namespace(preset="tiny", pairs="synthetic", task="synthetic", train_pairs=40, eval_pairs=8,
+                              samples=2, max_new_tokens=8, temperature=1.0, seed=0, loss_type="sigmoid",
+                              decontaminate=True)
+    kept, counts, _ = rm.build_pairs(args, model, tokenizer, "train", 256)
+    dpo_kept, dpo_counts, _ = dpo.build_pairs(args, model.gpt, tokenizer, "train", 256)
+    assert counts == dpo_counts and counts["synthetic contaminated"] == 2 and len(kept) == len(dpo_kept) == 38
+    planted_ids = [tokenizer.render_conversation(pairs[i][1]["chosen"])[0] for i in (3, 17)]
+    assert not any(chosen[0] == ids for (chosen, _) in kept for ids in planted_ids)
+    args.decontaminate = False
+    assert len(rm.build_pairs(args, model, tokenizer, "train", 256)[0]) == 40

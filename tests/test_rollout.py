@@ -7,6 +7,7 @@ sampled it) and the overlapped rollout worker.
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -56,11 +57,14 @@ def test_planted_contamination_is_removed():
     assert all(kept[k]["messages"][0]["content"] != GSM8K_LIKE for k in range(len(kept)))
 
 
-def test_short_eval_texts_match_whole_texts_only():
-    index = tasks.NgramIndex(["What is 17 + 25?"])
+def test_short_eval_texts_match_as_runs_inside_training_texts():
+    index = tasks.NgramIndex(["What is 17 + 25?", "Define entropy."])
     assert index.overlaps("  WHAT is 17+25 ")  # normalised: case, spacing and punctuation do not matter
     assert not index.overlaps("What is 17 * 25?")  # operators are words: another question
-    assert not index.overlaps("Question: What is 17 + 25?\nAnswer: 42")  # a short text inside a document is not a copy
+    assert not index.overlaps("What is 17 + 250?")  # a run of whole words, not of characters
+    assert index.overlaps("What is 17 + 25? Answer briefly.")  # the tiny prompt template around a test question
+    assert index.overlaps("Question: What is 17 + 25?\nAnswer: 42")
+    assert index.overlaps("define entropy") and not index.overlaps("We define entropy as ...")  # < 5 words: whole
 
 
 def test_pretraining_batches_skip_rejected_documents_and_keep_indices(tokenizer):  # noqa: F811
@@ -73,7 +77,7 @@ def test_pretraining_batches_skip_rejected_documents_and_keep_indices(tokenizer)
 
 
 def test_tiny_training_data_is_untouched_by_default():
-    for script in ("pretrain", "sft", "dpo", "rl"):
+    for script in ("pretrain", "sft", "dpo", "rl", "rm"):
         module = __import__(script)
         assert module.PRESETS["tiny"]["decontaminate"] is False and module.PRESETS["full"]["decontaminate"] is True
 
@@ -117,17 +121,19 @@ def test_per_source_counts_on_a_two_source_mixture(monkeypatch, tmp_path, checkp
     assert "gsm8k dispatched" in text and "loss share 0.00" in text and "loss share 1.00" in text
 
 
-def test_account_kept_groups_counts_tokens_and_mass_per_source(model, tokenizer):  # noqa: F811
-    engine = Engine(model, tokenizer)
-    prompts = [tokenizer.render_for_completion(LengthParity()[i]) for i in range(2)]
-    results = engine.generate(prompts, num_samples=2, max_tokens=6, seed=0)
-    groups = [{"prompt": p, "completions": c, "rewards": r} for p, c, r in zip(prompts, results, ([0.0, 1.0], [1.0, 1.0]))]
+def test_account_sources_counts_tokens_and_the_mass_of_the_advantages_trained_on():
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
     tally = rollout.source_tally(["x", "y"])
-    rollout.account_kept_groups(tally, groups, ["x", "y"], 2, "std", "mean", mask_truncated=False)
-    assert tally["source/x/valid_tokens"] == sum(len(c.tokens) for c in results[0])
-    assert tally["source/y/valid_tokens"] == sum(len(c.tokens) for c in results[1])
-    assert tally["source/y/loss_mass"] == 0  # no contrast, no advantage, no weight in the loss
-    assert tally["source/x/loss_mass"] == pytest.approx(sum(len(c.tokens) for c in results[0]), rel=1e-5)  # |A| = 1
+    # GRPO: one advantage per row, on each of its valid tokens
+    rollout.account_sources(tally, [{"mask": mask, "advantages": torch.tensor([0.5, -1.0, 0.0]),
+                                     "sources": ["x", "y", "x"]}])
+    assert (tally["source/x/valid_tokens"], tally["source/y/valid_tokens"]) == (5, 2)
+    assert (tally["source/x/loss_mass"], tally["source/y/loss_mass"]) == (1.5, 2.0)
+    # PPO: per-token (whitened GAE) advantages, |A_t| summed over the valid tokens only
+    gae = torch.tensor([[9.0, 0.5, -0.5, 1.0], [9.0, 9.0, 0.25, -0.25], [9.0, 2.0, -2.0, 9.0]])
+    tally = rollout.source_tally(["x", "y"])
+    rollout.account_sources(tally, [{"mask": mask, "advantages": gae, "sources": ["x", "y", "x"]}])
+    assert (tally["source/x/loss_mass"], tally["source/y/loss_mass"]) == (6.0, 0.5)
 
 
 # -----------------------------------------------------------------------------
@@ -155,6 +161,35 @@ def test_difficulty_filter_runs_prints_and_caches(monkeypatch, tmp_path, checkpo
            "--difficulty-filter", "0.1", "0.9", "--difficulty-samples", "4")
     assert f"from {caches[0]}" in capsys.readouterr().out
     caches[0].unlink()
+
+
+def test_difficulty_cache_key_follows_the_prompts_it_counted(monkeypatch):
+    monkeypatch.setattr(tasks, "evaluation_texts", lambda preset: [])  # only the held-out problems decontaminate
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    keys, sizes = [], []
+    for flags in (["--eval-problems", "4"], ["--eval-problems", "400"], ["--eval-problems", "400"],
+                  ["--eval-problems", "400", "--difficulty-samples", "8"]):
+        args = rl.parse_args(["--preset", "tiny", "--decontaminate", *flags])
+        train_task = rollout.prepare_prompts(args, 1)[0]
+        keys.append(rollout.difficulty_cache_key(args, train_task, sampling))
+        sizes.append(len(train_task))
+    assert sizes[:2] == [5000, 4996]  # 400 held-out problems drop 4 training prompts that share a 13-gram
+    assert keys[0] != keys[1] and keys[1] == keys[2] and keys[3] != keys[2]
+
+
+def test_difficulty_filter_reports_the_mixture_it_leaves(monkeypatch, tmp_path, checkpoint, model, tokenizer, capsys):  # noqa: F811
+    args = rl.parse_args(["--preset", "tiny", "--difficulty-filter", "0.1", "0.9",
+                          "--difficulty-samples", "4", "--prompts-per-step", "2"])
+    mixture = tasks.PromptMixture([("a", LengthParity(size=8), 1.0), ("b", LengthParity(size=8), 1.0)])
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    key = rollout.difficulty_cache_key(args, mixture, sampling)
+    cache = rollout.resolve_checkpoint(checkpoint) / f"difficulty_{key:016x}.json"
+    cache.write_text(json.dumps({"successes": [2] * 6 + [0] * 10}))  # a's first 6 of its 8 in range, none of b's
+    try:
+        kept = rollout.difficulty_prompts(args, Engine(model, tokenizer), mixture, checkpoint, None, sampling)
+    finally:
+        cache.unlink()
+    assert len(kept) == 6 and "training prompts per source {'a': 6, 'b': 0}" in capsys.readouterr().out
 
 
 # -----------------------------------------------------------------------------
@@ -261,7 +296,7 @@ def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp
             p.add_(0.05 * torch.randn_like(p))
     worker = rollout.RolloutWorker(checkpoint, "cpu", task, kwargs)
     try:
-        worker.submit(5, 4, model, seed=0)  # step 5's groups with the weights after 4 updates
+        worker.submit(5, 4, model.state_dict(), seed=0)  # step 5's groups with the weights after 4 updates
         step, version, groups, _, records, seconds = worker.result()
     finally:
         worker.close()
@@ -280,6 +315,25 @@ def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp
     # and the learner sees it: its log-probs differ from the behavior ones once the sampler is a version behind
     gaps = [float(line.split("| gap ")[1].split()[0]) for line in lines]
     assert gaps[0] < 1e-5 and min(gaps[1:]) > 1e-3
+
+
+def test_groups_older_than_the_max_policy_age_are_dropped_and_counted():
+    groups = [{"version": v, "id": i} for i, v in enumerate([4, 3, 2, 4, 1])]
+    kept, sources, dropped = rollout.fresh_groups(groups, list("abcde"), step=4, max_age=1)
+    assert [g["id"] for g in kept] == [0, 1, 3] and sources == list("abd") and dropped == 2
+    assert rollout.fresh_groups(groups, list("abcde"), step=4, max_age=3)[2] == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--async", "--mismatch", "none"], "uncorrected"),
+    (["--async", "--max-policy-age", "0"], "below --async-delay"),
+    (["--max-policy-age", "-1"], ">= 0"),
+])
+def test_overlapped_rollouts_refuse_uncorrected_or_always_stale_batches(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        rl.parse_args(flags)
+    assert message in capsys.readouterr().err
+    rl.parse_args(["--async", "--async-delay", "0", "--mismatch", "none", "--max-policy-age", "0"])  # on-policy
 
 
 # -----------------------------------------------------------------------------
@@ -305,6 +359,28 @@ def test_engine_logprobs_match_the_learner(model, tokenizer, sampling):
         other, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], {**sampling, "temperature": 1.5})
         assert ((other - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
     close(batch["advantages"], [-1, 1, -1, 1, -1, 1])
+
+
+def test_ptgs_rows_report_the_untempered_entropy_next_to_their_own(model):
+    torch.manual_seed(0)
+    inputs = torch.randint(0, model.config.vocab_size, (2, 6))
+    targets = torch.randint(0, model.config.vocab_size, (2, 6))
+    sampling = dict(temperature=torch.tensor([0.7, 1.5]), top_k=None, top_p=None)
+    with torch.no_grad():
+        logp, entropy = rollout.token_logprobs(model, inputs, targets, sampling)  # (2, 6), (2, 6, 2)
+        at = [rollout.token_logprobs(model, inputs[b:b + 1], targets[b:b + 1], {**sampling, "temperature": t})[1][0]
+              for b, t in enumerate((0.7, 1.5))]
+        base = rollout.token_logprobs(model, inputs, targets, {**sampling, "temperature": 1.0})[1]  # (2, 6)
+    assert entropy.shape == (2, 6, 2)
+    close(entropy[..., 0], torch.stack(at), atol=1e-5)  # each row's own temperature
+    close(entropy[..., 1], base, atol=1e-5)  # the same tokens at temperature 1: comparable across rows
+    assert (entropy[0, :, 0] < entropy[0, :, 1]).all() and (entropy[1, :, 0] > entropy[1, :, 1]).all()
+    tally = {"gap_sum": 0.0, "gap_max": 0.0, "entropy_sum": 0.0, "entropy_t1_sum": 0.0, "trained_tokens": 0,
+             "corrected": 0.0}
+    micro = {"mask": torch.ones(2, 6), "behavior": logp}
+    rollout.score_old(micro, logp, entropy, tally, SimpleNamespace(mismatch="tis", tis_cap=2.0, mask_window=None))
+    assert tally["entropy_sum"] == pytest.approx(float(entropy[..., 0].sum()), rel=1e-5)
+    assert tally["entropy_t1_sum"] == pytest.approx(float(base.sum()), rel=1e-5)
 
 
 def test_learner_logprobs_in_chunks_equal_whole_logits_in_value_and_gradient(model, monkeypatch):
