@@ -415,7 +415,7 @@ def main(argv=None):
     policy = model
     if ddp:
         policy = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    logger = common.Logger(args.run, vars(args))
+    logger = common.Logger(args.run, vars(args), series=extra.get("curves") if resume else None)
 
     t0 = time.time()
     for step in range(start_step, num_steps):
@@ -460,7 +460,8 @@ def main(argv=None):
         preempted = common.preempted(device)  # SIGTERM/SIGINT: keep this step's work, see common.py
         if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
             common.save_checkpoint(out_dir, step + 1, model, {"stage": "dpo", "finished": False}, tokenizer=tokenizer,
-                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers]})
+                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
+                                          "curves": logger.series})
         if preempted:
             common.exit_preempted(out_dir)
 

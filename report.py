@@ -16,6 +16,7 @@ import platform
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -187,31 +188,20 @@ def environment():
             "devices": devices, "rendered": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def _is_curve(value):
-    return isinstance(value, dict) and isinstance(value.get("step"), list)
-
-
 def curves_of(record):
     """
-    The training curves a stage stored in its report record: every dict value (at any depth) holding a "step"
-    list, e.g. record["curve"] = {"step": [...], "loss": [...], "lr": [...]}. Returns {name: {series: (steps, values)}}
-    with the series that have one value per step.
+    {series: (steps, values)} of the training curves in a stage's record: the groups common.Logger.curves wrote
+    under "curves", each {"step": [...], series: [...], ...}.
     """
-    found = {}
-    for key, value in record.items():
-        if _is_curve(value):
-            found[key] = {name: (value["step"], values) for name, values in value.items()
-                          if name != "step" and isinstance(values, list) and len(values) == len(value["step"])}
-        elif isinstance(value, dict):
-            found.update({f"{key}/{name}": series for name, series in curves_of(value).items()})
-    return found
+    return {name: (group["step"], values) for group in record.get("curves", []) for name, values in group.items()
+            if name != "step"}
 
 
 def scalars_of(record, prefix=""):
-    """A record's scalar values as {name: value}, nested dicts flattened to "outer/inner", lists and curves left out."""
+    """A record's scalar values as {name: value}, nested dicts flattened to "outer/inner", lists (curves) left out."""
     flat = {}
     for key, value in record.items():
-        if isinstance(value, dict) and not _is_curve(value):
+        if isinstance(value, dict):
             flat.update(scalars_of(value, f"{prefix}{key}/"))
         elif isinstance(value, (int, float, str, bool)) or value is None:
             flat[prefix + key] = value
@@ -328,12 +318,82 @@ def paired_table(rows):
     return lines + ([""] + refused if refused else [])
 
 
-def draw_plots(records, out_dir):
+# -----------------------------------------------------------------------------
+# The figures
+
+
+class Panel(NamedTuple):
     """
-    PNG plots for the report, written to out_dir: each stage's training curves (latest run of the stage) and, per
-    generative task, the pass@k curves of the evaluated stages. Returns {name: path}, or None when matplotlib is
-    not installed (it is optional).
+    One plot of a stage's figure: `left` series on the left axis and `right` series on a second y-axis, each a
+    (series logged by the stage, legend label) pair, with the axes' labels (units). A panel none of whose series
+    the stage logged is left out (KL without a reference model, the critic without --advantage gae).
     """
+
+    title: str
+    left: tuple
+    left_label: str
+    right: tuple = ()
+    right_label: str = ""
+
+
+# Series logged on held-out data: drawn as dashed lines with a marker at each evaluation, training series as lines.
+HELD_OUT_PREFIXES = ("val/", "eval/")
+
+PRETRAIN_PANELS = [
+    Panel("loss", [("train/loss", "training loss")], "cross-entropy (nats/token)",
+          [("val/bpb", "held-out bits per byte")], "bits per byte"),
+    Panel("schedule and throughput", [("train/lrm", "learning-rate multiplier")], "x initial learning rate",
+          [("train/tokens_per_sec", "tokens/s")], "tokens/s"),
+]
+SFT_PANELS = [
+    Panel("loss on assistant tokens", [("train/loss", "training loss"), ("val/loss", "held-out loss")],
+          "cross-entropy (nats/target token)"),
+]
+DPO_PANELS = [
+    Panel("preference loss", [("train/loss", "training"), ("val/loss", "held-out")], "loss (nats/pair)"),
+    Panel("reward margin", [("train/rewards/margins", "training"), ("val/rewards/margins", "held-out")],
+          "beta x log-ratio margin (nats)"),
+    Panel("preference accuracy", [("train/rewards/accuracy", "training"), ("val/rewards/accuracy", "held-out")],
+          "share of pairs ranked right"),
+]
+RM_PANELS = [
+    Panel("pair accuracy", [("train/accuracy", "training"), ("val/accuracy", "held-out")], "share of pairs ranked right"),
+    Panel("held-out margin and loss", [("val/margin", "margin r(chosen) - r(rejected)")], "score difference",
+          [("train/loss", "training loss"), ("val/loss", "held-out loss")], "loss (nats/pair)"),
+]
+# GRPO, PPO and RL from a reward model log the same rollout and policy series; each adds its own panel.
+RL_PANELS = [
+    Panel("reward and held-out pass@1", [("reward/mean", "reward (training rollouts)"),
+                                         ("eval/pass@1", "held-out pass@1")], "reward / pass@1"),
+    Panel("reward model vs verifier", [("reward/rm_score", "RM score (training rollouts)"),
+                                       ("eval/rm_score", "RM score (held-out)")], "reward-model score",
+          [("reward/accuracy", "verifier accuracy (training rollouts)"), ("eval/pass@1", "held-out pass@1 (verifier)")],
+          "verifier pass rate"),
+    Panel("critic", [("critic/value_loss", "value loss")], "value loss (squared reward units)",
+          [("critic/explained_variance", "explained variance")], "explained variance of the returns"),
+    Panel("entropy and KL", [("policy/entropy", "entropy")], "entropy (nats/token)",
+          [("policy/kl", "KL to the reference")], "KL (nats/token)"),
+    Panel("response length", [("length/mean", "mean length")], "tokens",
+          [("length/truncated_frac", "truncated"), ("batch/zero_contrast_frac", "zero-contrast groups")], "share"),
+    Panel("clipping and engine/learner gap", [("policy/clip_low", "clipped low"), ("policy/clip_high", "clipped high")],
+          "share of tokens", [("mismatch/logp_gap_mean", "|engine - learner| log-prob")], "nats/token"),
+]
+# Which panels a stage's figure has, by the stage name in its record (the script that wrote it does not matter).
+STAGE_PANELS = {"pretrain": PRETRAIN_PANELS, "sft": SFT_PANELS, "dpo": DPO_PANELS, "rm": RM_PANELS, "rl": RL_PANELS,
+                "rlhf": RL_PANELS, "ppo": RL_PANELS}
+STEP_LABELS = {"rl": "step (one rollout batch and its updates)", "rlhf": "step (one rollout batch and its updates)",
+               "ppo": "step (one rollout batch and its updates)"}
+
+
+def stage_panels(stage, curves):
+    """The panels of a stage's figure that have data in `curves` (curves_of); a stage without its own list of
+    panels gets one panel per series, the first six."""
+    panels = STAGE_PANELS.get(stage) or [Panel(name, [(name, name)], name) for name in list(curves)[:6]]
+    return [panel for panel in panels if any(name in curves for name, _ in (*panel.left, *panel.right))]
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display), or None when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -341,23 +401,67 @@ def draw_plots(records, out_dir):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    return plt
+
+
+def stage_figure(stage, record):
+    """
+    The figure of one stage's training curves (stage_panels of its record), or None when it logged none. Each drawn
+    line's gid is the name of its series. Needs matplotlib.
+    """
+    plt = pyplot()
+    curves = curves_of(record)
+    panels = stage_panels(stage, curves)
+    if not panels:
+        return None
+    columns = min(len(panels), 2)
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    for ax, panel in zip(axes.flat, panels):
+        handles, color = [], 0
+        for axis, series, label in ((ax, panel.left, panel.left_label), (None, panel.right, panel.right_label)):
+            series = [(name, legend) for name, legend in series if name in curves]
+            if not series:
+                continue
+            axis = axis or ax.twinx()
+            for name, legend in series:
+                steps, values = curves[name]
+                held_out = name.startswith(HELD_OUT_PREFIXES)
+                line, = axis.plot(steps, values, color=f"C{color}", linestyle="--" if held_out else "-",
+                                  marker="o" if held_out else None, markersize=4, linewidth=1.2, gid=name,
+                                  label=legend + (" (held-out)" if held_out and "held-out" not in legend else ""))
+                handles.append(line)
+                color += 1
+            axis.set_ylabel(label)
+        ax.set_title(panel.title, fontsize=10)
+        ax.set_xlabel(STEP_LABELS.get(stage, "optimizer step"))
+        ax.grid(alpha=0.3)
+        ax.legend(handles=handles, fontsize=7)
+    fig.suptitle(f"{stage}: training curves (dashed with markers: held-out evaluations)", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def draw_plots(records, out_dir):
+    """
+    PNG plots for the report, written to out_dir: each stage's training curves (stage_figure, latest run of the
+    stage) and, per generative task, the pass@k curves of the evaluated stages. Returns {name: path}, or None when
+    matplotlib is not installed (it is optional).
+    """
+    plt = pyplot()
+    if plt is None:
+        return None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = {}
     for stage, record in latest_stage_records(records).items():
-        series = [(f"{group}: {name}" if group != "curve" else name, steps, values)
-                  for group, curves in curves_of(record).items() for name, (steps, values) in curves.items()]
-        if not series:
+        fig = stage_figure(stage, record)
+        if fig is None:
             continue
-        fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3), squeeze=False)
-        for ax, (name, steps, values) in zip(axes[0], series):
-            ax.plot(steps, values)
-            ax.set_title(name)
-            ax.set_xlabel("step")
-        fig.suptitle(stage)
-        fig.tight_layout()
         plots[stage] = out_dir / f"{stage}.png"
-        fig.savefig(plots[stage], dpi=100)
+        fig.savefig(plots[stage], dpi=80)
         plt.close(fig)
     evals = merged_evals(records)
     for task in dict.fromkeys(task for entry in evals.values() for task in entry["coverage"]):
@@ -370,7 +474,7 @@ def draw_plots(records, out_dir):
             curve = pass_at_k_curve(counts["correct"], counts["samples"])
             ax.plot(range(1, len(curve) + 1), curve, marker="o", label=stage)
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda k, _: f"{k:g}"))  # 1 2 4 8, not 2^0 ...
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda k, _: f"{k:g}"))  # 1 2 4 8, not 2^0 ...
         ax.set_xlabel("k (samples)")
         ax.set_ylabel("pass@k")
         ax.set_title(f"{task}: pass@k averaged over problems")

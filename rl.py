@@ -1196,7 +1196,7 @@ def main(argv=None):
                + (f", reward-model score {record['rm_score']:+.3f}" if "rm_score" in record else ""))
         return record
 
-    logger = Logger(args.run, vars(args))
+    logger = Logger(args.run, vars(args), series=extra.get("curves") if resume else None)
     if start_step == 0:
         history.append(evaluate(0))
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
@@ -1205,7 +1205,7 @@ def main(argv=None):
         if rank != 0:
             return
         extra = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
-                 "source_totals": dict(source_totals)}
+                 "source_totals": dict(source_totals), "curves": logger.series}
         if critic is not None:
             extra.update(critic=critic.state_dict(), critic_optimizers=[o.state_dict() for o in critic_optimizers])
         if ptgs is not None:  # rank 0's controller (each rank keeps its own; its prompts differ)

@@ -386,7 +386,9 @@ def main(argv=None):
     train_model = model
     if ddp:
         train_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    logger = common.Logger(args.run, vars(args))
+    logger = common.Logger(args.run, vars(args), series=extra.get("curves") if resume else None)
+    if start_step == 0:  # the base model's held-out loss: where the held-out curve starts
+        logger.log({"val/loss": before["val_loss"]}, 0)
 
     replay_stream = None
     if args.replay_frac:
@@ -425,7 +427,7 @@ def main(argv=None):
         if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
             common.save_checkpoint(out_dir, step + 1, model, {"stage": "sft", "finished": False}, tokenizer=tokenizer,
                                    extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
-                                          "replay_tokens": replay_consumed})
+                                          "replay_tokens": replay_consumed, "curves": logger.series})
         if preempted:
             common.exit_preempted(out_dir)
 
