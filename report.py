@@ -325,8 +325,9 @@ def paired_table(rows):
 class Panel(NamedTuple):
     """
     One plot of a stage's figure: `left` series on the left axis and `right` series on a second y-axis, each a
-    (series logged by the stage, legend label) pair, with the axes' labels (units). A panel none of whose series
-    the stage logged is left out (KL without a reference model, the critic without --advantage gae).
+    (series logged by the stage, legend label) pair, with the axes' labels (units). A panel is drawn when the stage
+    logged its first series (so GRPO's figure has no reward-model or critic panel), with those of the others it logged
+    (no KL without a reference model).
     """
 
     title: str
@@ -357,7 +358,8 @@ DPO_PANELS = [
           "share of pairs ranked right"),
 ]
 RM_PANELS = [
-    Panel("pair accuracy", [("train/accuracy", "training"), ("val/accuracy", "held-out")], "share of pairs ranked right"),
+    Panel("pair accuracy", [("train/accuracy", "training"), ("val/accuracy", "held-out")],
+          "share of pairs ranked right"),
     Panel("held-out margin and loss", [("val/margin", "margin r(chosen) - r(rejected)")], "score difference",
           [("train/loss", "training loss"), ("val/loss", "held-out loss")], "loss (nats/pair)"),
 ]
@@ -373,7 +375,7 @@ RL_PANELS = [
           [("critic/explained_variance", "explained variance")], "explained variance of the returns"),
     Panel("entropy and KL", [("policy/entropy", "entropy")], "entropy (nats/token)",
           [("policy/kl", "KL to the reference")], "KL (nats/token)"),
-    Panel("response length", [("length/mean", "mean length")], "tokens",
+    Panel("response length, truncated and zero-contrast shares", [("length/mean", "mean length")], "tokens",
           [("length/truncated_frac", "truncated"), ("batch/zero_contrast_frac", "zero-contrast groups")], "share"),
     Panel("clipping and engine/learner gap", [("policy/clip_low", "clipped low"), ("policy/clip_high", "clipped high")],
           "share of tokens", [("mismatch/logp_gap_mean", "|engine - learner| log-prob")], "nats/token"),
@@ -381,15 +383,16 @@ RL_PANELS = [
 # Which panels a stage's figure has, by the stage name in its record (the script that wrote it does not matter).
 STAGE_PANELS = {"pretrain": PRETRAIN_PANELS, "sft": SFT_PANELS, "dpo": DPO_PANELS, "rm": RM_PANELS, "rl": RL_PANELS,
                 "rlhf": RL_PANELS, "ppo": RL_PANELS}
-STEP_LABELS = {"rl": "step (one rollout batch and its updates)", "rlhf": "step (one rollout batch and its updates)",
-               "ppo": "step (one rollout batch and its updates)"}
+# An RL step is one batch of rollouts and the optimizer steps on it (--epochs x --minibatches); other stages'
+# steps are optimizer steps.
+STEP_LABELS = dict.fromkeys(("rl", "rlhf", "ppo"), "step (one rollout batch and its updates)")
 
 
 def stage_panels(stage, curves):
-    """The panels of a stage's figure that have data in `curves` (curves_of); a stage without its own list of
+    """The panels of a stage's figure whose first series is in `curves` (curves_of); a stage without its own list of
     panels gets one panel per series, the first six."""
     panels = STAGE_PANELS.get(stage) or [Panel(name, [(name, name)], name) for name in list(curves)[:6]]
-    return [panel for panel in panels if any(name in curves for name, _ in (*panel.left, *panel.right))]
+    return [panel for panel in panels if panel.left[0][0] in curves]
 
 
 def pyplot():

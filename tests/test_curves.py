@@ -71,8 +71,8 @@ def test_reward_model_and_rlhf_with_a_critic_get_their_figures(monkeypatch, tmp_
     sft_dir = tmp_path / "sft"
     common.save_checkpoint(sft_dir, 0, make_model(tokenizer), {"stage": "sft"}, tokenizer=tokenizer)
     rm.main(["--device", "cpu", "--ckpt", str(sft_dir), "--out", str(tmp_path / "rm"), "--pairs", "synthetic",
-             "--train-pairs", "32", "--eval-pairs", "16", "--batch-size", "16", "--device-batch-size", "8", "--epochs", "1",
-             "--eval-every", "1"])
+             "--train-pairs", "32", "--eval-pairs", "16", "--batch-size", "16", "--device-batch-size", "8",
+             "--epochs", "1", "--eval-every", "1"])
     # PPO from the reward model: the RLHF panel (reward-model score against the verifier) and the critic's panel
     run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "2", "--eval-every", "1", "--reward", "rm",
            "--rm-ckpt", str(reward_model_checkpoint), "--advantage", "gae")

@@ -83,9 +83,11 @@ def test_report_plots(home):
 
 def test_curves_and_scalars_of_a_record():
     record = RECORDS[3]
-    assert report.curves_of(record) == {"train/loss": ([1, 100, 200], [7.5, 2.9, 2.0]), "val/bpb": ([0, 200], [3.0, 1.2])}
+    assert report.curves_of(record) == {"train/loss": ([1, 100, 200], [7.5, 2.9, 2.0]),
+                                        "val/bpb": ([0, 200], [3.0, 1.2])}
     assert report.curves_of(RECORDS[2]) == {"train/loss": ([1, 2, 3], [1.5, 1.0, 0.75]),
-                                            "lr_multiplier": ([1, 2, 3], [1.0, 0.67, 0.33]), "val/loss": ([0, 3], [2.0, 0.8])}
+                                            "lr_multiplier": ([1, 2, 3], [1.0, 0.67, 0.33]),
+                                            "val/loss": ([0, 3], [2.0, 0.8])}
     assert report.scalars_of(RECORDS[2]) == {"time": "2025-01-01 10:06:00", "stage": "sft", "seconds": 60.0,
                                              "metrics/val_loss": 0.8}
 
