@@ -13,6 +13,7 @@ Run directory ($NANOPOST_HOME, default ~/.cache/nanopost):
 import errno
 import hashlib
 import json
+import numbers
 import os
 import shutil
 import signal
@@ -546,7 +547,7 @@ class Logger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         for name, value in metrics.items():
-            if not isinstance(value, (int, float)):  # a tensor or a label: not a point of a curve
+            if not isinstance(value, numbers.Real):  # a label or a tensor: not a point of a curve
                 continue
             series = self.series.setdefault(name, {"step": [], "value": []})
             while series["step"] and series["step"][-1] >= step:  # a resumed run logs its checkpoint's step again

@@ -3,10 +3,11 @@ The report card: $NANOPOST_HOME/report.md rendered from report.jsonl, and the co
 
     python report.py        # re-render $NANOPOST_HOME/report.md (and report_plots/) from report.jsonl
 
-Every stage appends its record to report.jsonl (common.append_report); eval.py appends one per evaluated checkpoint
-and re-renders the card. The card: the environment, each stage's time and metrics, one table of task metrics across
-the stages, the coverage table (A = pass@n - pass@1, S = A / (1 - pass@1), bootstrap intervals), the paired
-Sharpening tax between stages, and matplotlib plots of the training curves and pass@k curves (optional).
+Every stage appends its record to report.jsonl (common.append_report), with the curves its Logger kept; eval.py
+appends one per evaluated checkpoint and re-renders the card. The card: the environment, each stage's time and
+metrics, one table of task metrics across the stages, the coverage table (A = pass@n - pass@1, S = A / (1 - pass@1),
+bootstrap intervals), the paired Sharpening tax between stages, and matplotlib figures (optional, Agg backend): one
+per stage of its training curves (STAGE_PANELS) and the pass@k curves.
 """
 
 import argparse
