@@ -352,7 +352,8 @@ SFT_PANELS = [
           "cross-entropy (nats/target token)"),
 ]
 DPO_PANELS = [
-    Panel("preference loss", [("train/loss", "training"), ("val/loss", "held-out")], "loss (nats/pair)"),
+    Panel("loss (preference + --sft-weight x chosen NLL)", [("train/loss", "training"), ("val/loss", "held-out")],
+          "loss (nats/pair)"),
     Panel("reward margin", [("train/rewards/margins", "training"), ("val/rewards/margins", "held-out")],
           "beta x log-ratio margin (nats)"),
     Panel("preference accuracy", [("train/rewards/accuracy", "training"), ("val/rewards/accuracy", "held-out")],
@@ -441,6 +442,7 @@ def stage_figure(stage, record):
             axis.set_ylabel(label)
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel(STEP_LABELS.get(stage, "optimizer step"))
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # steps are whole numbers, also in a short run
         ax.grid(alpha=0.3)
         ax.legend(handles=handles, fontsize=7)
     fig.suptitle(f"{stage}: training curves (dashed with markers: held-out evaluations)", fontsize=11)
