@@ -550,26 +550,23 @@ def _torch_load(file, meta, device):
 # A stage's curves in its report record: each series evenly thinned to at most this many points (the first and the
 # last kept), enough for a figure and small enough that report.jsonl stays a file one can read.
 CURVE_POINTS = 200
-_logger = None  # the latest Logger of this process: append_report puts the series it kept into the stage's record
 
 
 class Logger:
     """
     wandb when --run names a run, otherwise nothing leaves the machine ('dummy', the default). Either way it keeps
-    every number it is given, series[name] = {"step": [...], "value": [...]}, and append_report adds them to the
-    stage's record (curves()), so the report card draws the training of every stage without wandb. A stage saves
+    every number it is given, series[name] = {"step": [...], "value": [...]}, and append_report(record, logger) adds
+    them to the stage's record (curves()), so the report card draws the training of every stage without wandb. A stage saves
     `series` in its checkpoints and passes it back on --resume, so that its curves survive an interruption.
     """
 
     def __init__(self, run, config, project="nanopost", series=None):
-        global _logger
         self.wandb = None
         if run != "dummy" and get_dist_info()[1] == 0:
             import wandb
 
             self.wandb = wandb.init(project=project, name=run, config=config)
         self.series = series or {}
-        _logger = self
 
     def log(self, metrics, step):
         if self.wandb is not None:
@@ -610,18 +607,16 @@ def thin(n, points):
     return [round(i * (n - 1) / (points - 1)) for i in range(points)]
 
 
-def append_report(record):
+def append_report(record, logger=None):
     """
-    Append one stage's final metrics as a JSON line to $NANOPOST_HOME/report.jsonl (rank 0 only), with the curves of
-    the Logger the stage logged to (Logger.curves) under "curves". Each Logger's curves go into one record only.
+    Append one stage's final metrics as a JSON line to $NANOPOST_HOME/report.jsonl (rank 0 only), with the curves the
+    stage's `logger` kept (Logger.curves) under "curves": what report.py draws the stage's figure from.
     """
-    global _logger
     if get_dist_info()[1] != 0:
         return
     record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), **record}
-    if _logger is not None and _logger.series:
-        record["curves"] = _logger.curves()
-    _logger = None
+    if logger is not None and logger.series:
+        record["curves"] = logger.curves()
     with open(get_base_dir() / "report.jsonl", "a") as f:
         f.write(json.dumps(record, default=float) + "\n")
 

@@ -667,7 +667,7 @@ def main(argv=None):
                           "steps": num_steps, "train_pairs": min_pairs * world_size,
                           **{f"before/{k}": v for k, v in before.items()},
                           **{f"after/{k}": v for k, v in after.items()},
-                          "pairs_train": dict(train_counts), "pairs_held_out": dict(eval_counts)})
+                          "pairs_train": dict(train_counts), "pairs_held_out": dict(eval_counts)}, logger)
     compute_cleanup()
 
 

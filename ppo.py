@@ -199,7 +199,7 @@ def main(argv=None):
         start_step, history = extra["step"], extra["history"]
         source_totals.update(extra["source_totals"])
         print0(f"resuming at step {start_step}")
-    logger = Logger(args.run, vars(args))
+    logger = Logger(args.run, vars(args), series=extra.get("curves"))  # on --resume, the curves so far
     if start_step == 0:
         history.append(evaluate_held_out(engine, test_task, eval_indices, args, 0, reward_model))
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
@@ -211,7 +211,7 @@ def main(argv=None):
             return
         state = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
                  "source_totals": dict(source_totals), "critic": critic.state_dict(),
-                 "critic_optimizers": [o.state_dict() for o in critic_optimizers]}
+                 "critic_optimizers": [o.state_dict() for o in critic_optimizers], "curves": logger.series}
         if rollouts.ptgs is not None:  # rank 0's controller (each rank keeps its own; its prompts differ)
             state["ptgs"] = rollouts.ptgs.state_dict()
         save_checkpoint(out, step, model, {"stage": "ppo", "source": str(ckpt), "args": vars(args),
@@ -340,7 +340,7 @@ def main(argv=None):
     save(args.num_steps, finished=True)
     # PPO from a reward model is the RLHF recipe: its row is rlhf's, as rl.py --reward rm's is.
     append_report(report_record("rlhf" if reward_model is not None else "ppo", args, history, len(eval_indices),
-                                time.time() - t_start, source_totals, decontaminated, len(train_task)))
+                                time.time() - t_start, source_totals, decontaminated, len(train_task)), logger)
     logger.finish()
     compute_cleanup()
 

@@ -411,7 +411,7 @@ def main(argv=None):
             dist.all_reduce(dropped)
         record["contaminated_docs"] = int(dropped)
         print0(f"decontamination: skipped {int(dropped):,} documents that overlap an evaluation set")
-    append_report(record)
+    append_report(record, logger)
     print0(f"done: val bpb {val_bpb:.4f}, train loss {loss_value}, {train_seconds:.0f}s of training")
     logger.finish()
     compute_cleanup()

@@ -351,13 +351,27 @@ SFT_PANELS = [
     Panel("loss on assistant tokens", [("train/loss", "training loss"), ("val/loss", "held-out loss")],
           "cross-entropy (nats/target token)"),
 ]
+# Every --loss logs loss and margin; the pairwise losses also accuracy and log-probs, KTO its desirable and
+# undesirable rewards and z0 (dpo.preference_losses).
 DPO_PANELS = [
-    Panel("loss (preference + --sft-weight x chosen NLL)", [("train/loss", "training"), ("val/loss", "held-out")],
-          "loss (nats/pair)"),
-    Panel("reward margin", [("train/rewards/margins", "training"), ("val/rewards/margins", "held-out")],
-          "beta x log-ratio margin (nats)"),
+    Panel("loss (with its NLL term: --sft-weight, ORPO's)", [("train/loss", "training"), ("val/loss", "held-out")],
+          "loss (nats per pair; KTO: per answer)"),
+    Panel("implicit reward margin", [("train/rewards/margins", "training"), ("val/rewards/margins", "held-out")],
+          "chosen - rejected reward (nats)"),
     Panel("preference accuracy", [("train/rewards/accuracy", "training"), ("val/rewards/accuracy", "held-out")],
           "share of pairs ranked right"),
+    Panel("log-probabilities of the answers", [("train/logps/chosen", "chosen"), ("train/logps/rejected", "rejected")],
+          "log pi(answer | prompt) (nats)"),
+    Panel("KTO rewards and reference point", [("train/rewards/desirable", "desirable answers"),
+                                              ("train/rewards/undesirable", "undesirable answers")],
+          "implicit reward (nats)", [("train/kl", "z0 (KL estimate)")], "z0 (nats)"),
+]
+# Rejection-sampling fine-tuning (sft.py --rft-rounds): one point per round, round 0 the model it started from.
+RFT_PANELS = [
+    Panel("held-out coverage", [("eval/pass@1", "pass@1"), ("eval/pass@k", "pass@k (k = --rft-eval-samples)")],
+          "share of held-out problems (T = 1)"),
+    Panel("kept answers and loss", [("rft/answers_kept", "answers kept"), ("rft/prompts_kept", "problems kept")],
+          "count (all ranks)", [("train/loss", "mean training loss of the round")], "cross-entropy (nats/target token)"),
 ]
 RM_PANELS = [
     Panel("pair accuracy", [("train/accuracy", "training"), ("val/accuracy", "held-out")],
@@ -383,11 +397,12 @@ RL_PANELS = [
           "share of tokens", [("mismatch/logp_gap_mean", "|engine - learner| log-prob")], "nats/token"),
 ]
 # Which panels a stage's figure has, by the stage name in its record (the script that wrote it does not matter).
-STAGE_PANELS = {"pretrain": PRETRAIN_PANELS, "sft": SFT_PANELS, "dpo": DPO_PANELS, "rm": RM_PANELS, "rl": RL_PANELS,
-                "rlhf": RL_PANELS, "ppo": RL_PANELS}
+STAGE_PANELS = {"pretrain": PRETRAIN_PANELS, "sft": SFT_PANELS, "rft": RFT_PANELS, "dpo": DPO_PANELS, "rm": RM_PANELS,
+                "rl": RL_PANELS, "rlhf": RL_PANELS, "ppo": RL_PANELS}
 # An RL step is one batch of rollouts and the optimizer steps on it (--epochs x --minibatches); other stages'
 # steps are optimizer steps.
-STEP_LABELS = dict.fromkeys(("rl", "rlhf", "ppo"), "step (one rollout batch and its updates)")
+STEP_LABELS = {**dict.fromkeys(("rl", "rlhf", "ppo"), "step (one rollout batch and its updates)"),
+               "rft": "round (sample, keep the verified, one SFT pass)"}
 
 
 def stage_panels(stage, curves):
@@ -434,8 +449,9 @@ def stage_figure(stage, record):
             for name, legend in series:
                 steps, values = curves[name]
                 held_out = name.startswith(HELD_OUT_PREFIXES)
+                marker = "o" if held_out else "." if len(steps) <= 20 else None  # a short run's points stay visible
                 line, = axis.plot(steps, values, color=f"C{color}", linestyle="--" if held_out else "-",
-                                  marker="o" if held_out else None, markersize=4, linewidth=1.2, gid=name,
+                                  marker=marker, markersize=4, linewidth=1.2, gid=name,
                                   label=legend + (" (held-out)" if held_out and "held-out" not in legend else ""))
                 handles.append(line)
                 color += 1

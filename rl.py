@@ -219,7 +219,7 @@ def main(argv=None):
         start_step, history = extra["step"], extra["history"]
         source_totals.update(extra["source_totals"])
         print0(f"resuming at step {start_step}")
-    logger = Logger(args.run, vars(args), series=extra.get("curves") if resume else None)
+    logger = Logger(args.run, vars(args), series=extra.get("curves"))  # on --resume, the curves so far
     if start_step == 0:
         history.append(evaluate_held_out(engine, test_task, eval_indices, args, 0, reward_model))
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
@@ -335,7 +335,7 @@ def main(argv=None):
     save(args.num_steps, finished=True)
     # Its own row of the report card: RL from the reward model (speedrun.sh --rlhf) next to GRPO's.
     append_report(report_record("rlhf" if reward_model is not None else "rl", args, history, len(eval_indices),
-                                time.time() - t_start, source_totals, decontaminated, len(train_task)))
+                                time.time() - t_start, source_totals, decontaminated, len(train_task)), logger)
     logger.finish()
     compute_cleanup()
 

@@ -235,7 +235,7 @@ def main(argv=None):
                           "train_pairs": min_pairs * world_size, "eval_pairs": eval_counts["paired"],
                           "center_coef": args.center_coef, "pair_accuracy": after["accuracy"],
                           "margin": after["margin"], "mean_score": after["score"], "loss": after["loss"],
-                          "seconds": time.time() - stage_start})
+                          "seconds": time.time() - stage_start}, logger)
     compute_cleanup()
 
 

@@ -1,7 +1,8 @@
 """
 The training curves in report records: common.Logger keeps what a stage logs, thins it evenly and append_report puts
-it into the stage's record; rm.py and RL from a reward model with a critic get the figures report.py draws for them.
-test_report_records.py checks the figures of pretrain -> sft -> dpo -> rl.
+it into the stage's record; rm.py and PPO from a reward model (rlhf) get the figures report.py draws for them.
+test_report_records.py checks the figures of pretrain -> sft -> dpo -> rl, test_rft.py and test_kto_orpo.py those of
+sft.py --rft-rounds and dpo.py --loss kto/orpo.
 """
 
 import json
@@ -9,6 +10,7 @@ import json
 import pytest
 
 import common
+import ppo
 import report
 import rm
 from common import Logger
@@ -46,13 +48,13 @@ def test_a_resumed_logger_keeps_the_history_and_replaces_a_step_logged_again():
     assert resumed.curves() == [{"step": [0, 1, 2, 3, 4], "val/loss": [10.0, 9.0, 8.0, 6.5, 6.0]}]
 
 
-def test_append_report_puts_the_stage_loggers_curves_into_one_record(tmp_path, monkeypatch):
+def test_append_report_puts_the_stage_loggers_curves_into_its_record(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     logger = Logger("dummy", {})
     logger.log({"train/loss": 2.0}, 1)
     logger.log({"train/loss": 1.0}, 2)
-    common.append_report({"stage": "sft"})
-    common.append_report({"stage": "merge"})  # a later stage of the same process that logged nothing
+    common.append_report({"stage": "sft"}, logger)
+    common.append_report({"stage": "merge"})  # a later stage of the same process that logs nothing
     sft, merge = common.read_report()
     assert sft["curves"] == [{"step": [1, 2], "train/loss": [2.0, 1.0]}]
     assert "curves" not in merge
@@ -63,7 +65,7 @@ def series_points(fig):
     return {line.get_gid(): len(line.get_xdata()) for ax in fig.axes for line in ax.get_lines()}
 
 
-def test_reward_model_and_rlhf_with_a_critic_get_their_figures(monkeypatch, tmp_path, tokenizer, checkpoint,
+def test_reward_model_and_ppo_from_it_get_their_figures(monkeypatch, tmp_path, tokenizer, checkpoint,
                                                                reward_model_checkpoint):
     pytest.importorskip("matplotlib")
     home = tmp_path / "home"
@@ -75,7 +77,7 @@ def test_reward_model_and_rlhf_with_a_critic_get_their_figures(monkeypatch, tmp_
              "--epochs", "1", "--eval-every", "1"])
     # PPO from the reward model: the RLHF panel (reward-model score against the verifier) and the critic's panel
     run_rl(monkeypatch, tmp_path, checkpoint, "--num-steps", "2", "--eval-every", "1", "--reward", "rm",
-           "--rm-ckpt", str(reward_model_checkpoint), "--advantage", "gae")
+           "--rm-ckpt", str(reward_model_checkpoint), stage=ppo)
     rm_record, rlhf_record = common.read_report()
     assert (rm_record["stage"], rlhf_record["stage"]) == ("rm", "rlhf")
     report.write_report()

@@ -106,7 +106,9 @@ def test_a_stage_figure_has_its_stages_panels_and_marks_held_out_points():
     assert set(lines) == {"train/loss", "val/loss"}  # SFT's panel: lr_multiplier is logged but not drawn
     assert list(lines["val/loss"].get_xdata()) == [0, 3] and list(lines["val/loss"].get_ydata()) == [2.0, 0.8]
     assert (lines["val/loss"].get_marker(), lines["val/loss"].get_linestyle()) == ("o", "--")  # held-out
-    assert (lines["train/loss"].get_marker(), lines["train/loss"].get_linestyle()) == ("None", "-")
+    assert (lines["train/loss"].get_marker(), lines["train/loss"].get_linestyle()) == (".", "-")  # a short run's dots
+    long_run = {"stage": "sft", "curves": [{"step": list(range(1, 22)), "train/loss": [1.0] * 21}]}
+    assert report.stage_figure("sft", long_run).axes[0].get_lines()[0].get_marker() == "None"
     assert fig.axes[0].get_xlabel() == "optimizer step" and "nats" in fig.axes[0].get_ylabel()
     # a stage without panels of its own ("base" is not a stage name the scripts write): one panel per series
     fig = report.stage_figure("base", RECORDS[3])
