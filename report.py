@@ -11,6 +11,7 @@ per stage of its training curves (STAGE_PANELS) and the pass@k curves.
 """
 
 import argparse
+import io
 import math
 import os
 import platform
@@ -466,6 +467,19 @@ def stage_figure(stage, record):
     return fig
 
 
+def save_png(fig, path, dpi):
+    """
+    Save a figure as a 64-colour PNG: plots of lines use few colours, and the palette keeps a six-panel stage figure
+    near 40 KB where matplotlib's RGBA PNG is about 150 KB, with no visible difference. (Pillow comes with
+    matplotlib.)
+    """
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=dpi)
+    Image.open(buffer).convert("RGB").quantize(colors=64).save(path, optimize=True)
+
+
 def draw_plots(records, out_dir):
     """
     PNG plots for the report, written to out_dir: each stage's training curves (stage_figure, latest run of the
@@ -483,7 +497,7 @@ def draw_plots(records, out_dir):
         if fig is None:
             continue
         plots[stage] = out_dir / f"{stage}.png"
-        fig.savefig(plots[stage], dpi=80)
+        save_png(fig, plots[stage], dpi=80)
         plt.close(fig)
     evals = merged_evals(records)
     for task in dict.fromkeys(task for entry in evals.values() for task in entry["coverage"]):
@@ -503,7 +517,7 @@ def draw_plots(records, out_dir):
         ax.legend()
         fig.tight_layout()
         plots[f"coverage-{task}"] = out_dir / f"coverage-{task}.png"
-        fig.savefig(plots[f"coverage-{task}"], dpi=100)
+        save_png(fig, plots[f"coverage-{task}"], dpi=100)
         plt.close(fig)
     return plots
 

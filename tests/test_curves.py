@@ -84,7 +84,8 @@ def test_reward_model_and_ppo_from_it_get_their_figures(monkeypatch, tmp_path, t
     card = (home / "report.md").read_text()
     for stage in ("rm", "rlhf"):
         assert f"![{stage} training curves](report_plots/{stage}.png)" in card
-        assert (home / "report_plots" / f"{stage}.png").read_bytes().startswith(b"\x89PNG")
+        png = home / "report_plots" / f"{stage}.png"
+        assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size < 100_000  # six panels for rlhf
 
     # rm: 32 pairs / 16 = 2 steps, every one evaluated, and the zero head's evaluation at step 0
     points = series_points(report.stage_figure("rm", rm_record))

@@ -81,7 +81,7 @@ def test_report_from_the_records_the_tiny_stages_write(tmp_path, monkeypatch):
         stage = record["stage"]
         png = tmp_path / "report_plots" / f"{stage}.png"
         assert f"![{stage} training curves](report_plots/{stage}.png)" in card
-        assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size < 150_000
+        assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size < 100_000
         fig = report.stage_figure(stage, record)
         assert {line.get_gid(): len(line.get_xdata()) for ax in fig.axes for line in ax.get_lines()} == \
             expected[stage], stage
