@@ -309,9 +309,9 @@ def main(argv=None):
         tally = reduce_tally(tally, device)
         metrics = step_metrics(tally, optimizer_steps, grad_norms, (t1 - t0, t2 - t1), info, train_task.tasks,
                                source_totals)
-        loss_tokens = max(tally["loss_tokens"], 1)
+        loss_tokens = tally["loss_tokens"] or math.nan  # NaN: no token trained (rollout.step_metrics)
         if ref_model is not None:
-            per = loss_tokens if args.kl_placement == "loss" else max(tally["trained_tokens"], 1)
+            per = loss_tokens if args.kl_placement == "loss" else tally["trained_tokens"] or math.nan
             metrics["policy/kl"] = tally["kl_sum"] / per
         extra_line = ""
         if reward_model is not None:

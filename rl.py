@@ -312,7 +312,7 @@ def main(argv=None):
                                source_totals)
         extra_line = ""
         if ref_model is not None:
-            metrics["policy/kl"] = tally["kl_sum"] / max(tally["loss_tokens"], 1)
+            metrics["policy/kl"] = tally["kl_sum"] / (tally["loss_tokens"] or math.nan)  # NaN: no token trained
         if reward_model is not None:
             metrics["reward/rm_score"] = tally["rm_score_sum"] / max(tally["completions"], 1)  # before normalising
             extra_line = f"| rm score {metrics['reward/rm_score']:+.3f} verifier acc {metrics['reward/accuracy']:.3f} "
