@@ -1,8 +1,8 @@
 """
 The training curves in report records: common.Logger keeps what a stage logs, thins it evenly and append_report puts
 it into the stage's record; rm.py and PPO from a reward model (rlhf) get the figures report.py draws for them.
-test_report_records.py checks the figures of pretrain -> sft -> dpo -> rl, test_rft.py and test_kto_orpo.py those of
-sft.py --rft-rounds and dpo.py --loss kto/orpo.
+test_report_records.py checks the figures of pretrain -> sft -> dpo -> rl, test_sft_rft.py and test_dpo_kto_orpo.py
+those of sft.py --rft-rounds and dpo.py --loss kto/orpo.
 """
 
 import json
