@@ -15,6 +15,7 @@ import errno
 import hashlib
 import json
 import math
+import numbers
 import os
 import shutil
 import signal
@@ -640,30 +641,76 @@ def _torch_load(file, meta, device):
 # Logging and the report
 
 
-class Logger:
-    """wandb when --wandb-run names a run, otherwise nothing leaves the machine ('dummy', the default)."""
+# A stage's curves in its report record: each series evenly thinned to at most this many points (the first and the
+# last kept), enough for a figure and small enough that report.jsonl stays a file one can read.
+CURVE_POINTS = 200
 
-    def __init__(self, run, config, project="nanopost"):
+
+class Logger:
+    """
+    wandb when --wandb-run names a run, otherwise nothing leaves the machine ('dummy', the default). Either way it keeps
+    every number it is given, series[name] = {"step": [...], "value": [...]}, and append_report(record, logger) adds
+    them to the stage's record (curves()), so the report card draws the training of every stage without wandb. A stage saves
+    `series` in its checkpoints and passes it back on --resume, so that its curves survive an interruption.
+    """
+
+    def __init__(self, run, config, project="nanopost", series=None):
         self.wandb = None
         if run != "dummy" and get_dist_info()[1] == 0:
             import wandb
 
             self.wandb = wandb.init(project=project, name=run, config=config)
+        self.series = series or {}
 
     def log(self, metrics, step):
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+        for name, value in metrics.items():
+            if not isinstance(value, numbers.Real):  # a label or a tensor: not a point of a curve
+                continue
+            series = self.series.setdefault(name, {"step": [], "value": []})
+            while series["step"] and series["step"][-1] >= step:  # a resumed run logs its checkpoint's step again
+                series["step"].pop()
+                series["value"].pop()
+            series["step"].append(step)
+            series["value"].append(float(value))
+
+    def curves(self):
+        """
+        The series for a report record: each thinned evenly to at most CURVE_POINTS points (thin), values rounded
+        to 5 significant digits; series left with the same steps share one group {"step": [...], name: [...], ...}.
+        Returns the list of groups.
+        """
+        groups = {}
+        for name, series in self.series.items():
+            keep = thin(len(series["step"]), CURVE_POINTS)
+            steps = [series["step"][i] for i in keep]
+            group = groups.setdefault(tuple(steps), {"step": steps})
+            group[name] = [float(f"{series['value'][i]:.5g}") for i in keep]
+        return list(groups.values())
 
     def finish(self):
         if self.wandb is not None:
             self.wandb.finish()
 
 
-def append_report(record):
-    """Append one stage's final metrics as a JSON line to $NANOPOST_HOME/report.jsonl (rank 0 only)."""
+def thin(n, points):
+    """Indices of `points` evenly spaced items of n (all of them when n <= points), the first and the last included."""
+    if n <= points:
+        return list(range(n))
+    return [round(i * (n - 1) / (points - 1)) for i in range(points)]
+
+
+def append_report(record, logger=None):
+    """
+    Append one stage's final metrics as a JSON line to $NANOPOST_HOME/report.jsonl (rank 0 only), with the curves the
+    stage's `logger` kept (Logger.curves) under "curves": what report.py draws the stage's figure from.
+    """
     if get_dist_info()[1] != 0:
         return
     record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), **record}
+    if logger is not None and logger.series:
+        record["curves"] = logger.curves()
     with open(get_base_dir() / "report.jsonl", "a") as f:
         f.write(json.dumps(record, default=float) + "\n")
 

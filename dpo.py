@@ -603,7 +603,7 @@ def main(argv=None):
     policy = model
     if ddp:
         policy = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    logger = common.Logger(args.run, vars(args))
+    logger = common.Logger(args.run, vars(args), series=extra.get("curves") if resume else None)
 
     t0 = time.time()
     for step in range(start_step, num_steps):
@@ -651,7 +651,8 @@ def main(argv=None):
         preempted = common.preempted(device)  # SIGTERM/SIGINT: keep this step's work, see common.py
         if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
             common.save_checkpoint(out_dir, step + 1, model, {"stage": "dpo", "finished": False}, tokenizer=tokenizer,
-                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers]})
+                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
+                                          "curves": logger.series})
         if preempted:
             common.exit_preempted(out_dir)
 
@@ -672,7 +673,7 @@ def main(argv=None):
                           "steps": num_steps, "train_pairs": min_pairs * world_size,
                           **{f"before/{k}": v for k, v in before.items()},
                           **{f"after/{k}": v for k, v in after.items()},
-                          "pairs_train": dict(train_counts), "pairs_held_out": dict(eval_counts)})
+                          "pairs_train": dict(train_counts), "pairs_held_out": dict(eval_counts)}, logger)
     compute_cleanup()
 
 

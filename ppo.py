@@ -224,7 +224,7 @@ def main(argv=None):
         start_step, history = extra["step"], extra["history"]
         source_totals.update(extra["source_totals"])
         print0(f"resuming at step {start_step}")
-    logger = Logger(args.run, vars(args))
+    logger = Logger(args.run, vars(args), series=extra.get("curves"))  # on --resume, the curves so far
     if start_step == 0:
         history.append(evaluate_held_out(engine, test_task, eval_indices, args, 0, reward_model))
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
@@ -239,7 +239,7 @@ def main(argv=None):
             return
         state = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
                  "source_totals": dict(source_totals), "critic": critic.state_dict(),
-                 "critic_optimizers": [o.state_dict() for o in critic_optimizers]}
+                 "critic_optimizers": [o.state_dict() for o in critic_optimizers], "curves": logger.series}
         state.update(rollouts.state_dict())  # PTGS counts, the --async worker's pending weights
         save_checkpoint(out, step, model, {"stage": "ppo", "source": str(ckpt), "args": vars(args),
                                            "finished": finished, "eval": history[-1] if history else None},
@@ -340,9 +340,9 @@ def main(argv=None):
         tally = reduce_tally(tally, device)
         metrics = step_metrics(tally, optimizer_steps, grad_norms, (t1 - t0, t2 - t1), info, train_task.tasks,
                                source_totals)
-        loss_tokens = max(tally["loss_tokens"], 1)
+        loss_tokens = tally["loss_tokens"] or math.nan  # NaN: no token trained (rollout.step_metrics)
         if ref_model is not None:
-            per = loss_tokens if args.kl_placement == "loss" else max(tally["trained_tokens"], 1)
+            per = loss_tokens if args.kl_placement == "loss" else tally["trained_tokens"] or math.nan
             metrics["policy/kl"] = tally["kl_sum"] / per
         extra_line = ""
         if reward_model is not None:
@@ -373,7 +373,7 @@ def main(argv=None):
     save(args.num_steps, finished=True)
     # PPO from a reward model is the RLHF recipe: its row is rlhf's, as rl.py --reward rm's is.
     append_report(report_record("rlhf" if reward_model is not None else "ppo", args, history, len(eval_indices),
-                                time.time() - t_start, source_totals, decontaminated, len(train_task)))
+                                time.time() - t_start, source_totals, decontaminated, len(train_task)), logger)
     logger.finish()
     compute_cleanup()
 

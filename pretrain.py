@@ -220,8 +220,6 @@ def main(argv=None):
     # -------------------------------------------------------------------------
     # Resume: model, optimizers, step, data position and RNG from the latest checkpoint in --out
     start_step, data_position, train_seconds, train_tokens = 0, (0, 0), 0.0, 0
-    curve = {"step": [], "loss": []}  # training history for the report's plots
-    val_curve = {"step": [], "bpb": []}
     resume = resume_or_finish(args.out, args.resume, "pretraining")
     if resume is FINISHED:
         return
@@ -236,12 +234,11 @@ def main(argv=None):
             optimizer.load_state_dict(state)
         start_step, data_position = meta["step"], extra["data_positions"][rank]
         train_seconds, train_tokens = extra["train_seconds"], extra["train_tokens"]
-        curve, val_curve = extra["curve"], extra["val_curve"]
         torch.set_rng_state(extra["rng_cpu"].cpu())
         if device.type == "cuda":
             torch.cuda.set_rng_state(extra["rng_cuda"].cpu(), device)
         print0(f"resumed from {args.out} at step {start_step}")
-    logger = Logger(args.run, vars(args))
+    logger = Logger(args.run, vars(args), series=extra.get("curves") if resume else None)
     orig_model = model  # uncompiled, unwrapped: evaluation, sampling and checkpoints use it
     # DDP first, then compile: compiling the wrapped model lets the compiler split the graph at DDP's gradient
     # buckets, so each bucket's all-reduce overlaps the rest of backward. The rotary tables are buffers but not
@@ -316,7 +313,7 @@ def main(argv=None):
                 "total_batch_size": args.total_batch_size, "val_bpb": val_bpb, "args": vars(args)}
         extra = {"optimizers": [o.state_dict() for o in optimizers], "data_positions": positions,
                  "train_seconds": train_seconds, "train_tokens": train_tokens, "rng_cpu": torch.get_rng_state(),
-                 "curve": curve, "val_curve": val_curve}
+                 "curves": logger.series}
         if device.type == "cuda":
             extra["rng_cuda"] = torch.cuda.get_rng_state(device)
         path = save_checkpoint(args.out, step, orig_model, meta, tokenizer=tokenizer, extra=extra)
@@ -333,8 +330,6 @@ def main(argv=None):
             val_bpb = evaluate_bpb(orig_model, val_batches, token_bytes, device)
             orig_model.train()
             print0(f"step {step:05d}/{num_iterations:05d} | val bpb {val_bpb:.4f}")
-            val_curve["step"].append(step)
-            val_curve["bpb"].append(val_bpb)
             logger.log({"val/bpb": val_bpb}, step)
         if master and args.sample_every and step > 0 and (step % args.sample_every == 0 or last_step):
             orig_model.eval()
@@ -395,9 +390,6 @@ def main(argv=None):
             train_tokens += args.total_batch_size
         tokens_per_sec = args.total_batch_size / dt
         mfu = flops_per_token * tokens_per_sec / (peak * world_size) if peak else None
-        if step % max(num_iterations // 200, 1) == 0 or step == num_iterations - 1:  # ~200 points for the plot
-            curve["step"].append(step + 1)
-            curve["loss"].append(loss_value)
         if step % args.log_every == 0 or step == num_iterations - 1:
             seconds_per_step = train_seconds * args.total_batch_size / train_tokens if train_tokens else dt
             eta = format_eta((num_iterations - step - 1) * seconds_per_step)
@@ -405,8 +397,9 @@ def main(argv=None):
             print0(f"step {step:05d}/{num_iterations:05d} | loss {loss_value:.6f} | lrm {lrm:.3f} | "
                    f"{tokens_per_sec:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu else "") + memory +
                    f" | eta {eta}")
-        logger.log({"train/loss": loss_value, "train/lrm": lrm, "train/tokens_per_sec": tokens_per_sec,
-                    **({"train/mfu": mfu} if mfu else {})}, step + 1)
+        if host_step:  # the other steps' loss is the last one read and their time only the time to queue them
+            logger.log({"train/loss": loss_value, "train/lrm": lrm, "train/tokens_per_sec": tokens_per_sec,
+                        **({"train/mfu": mfu} if mfu else {})}, step + 1)
         if preempted(device):  # SIGTERM/SIGINT: keep this step's work, see common.py
             save(step + 1, finished=False)
             exit_preempted(args.out)
@@ -418,7 +411,7 @@ def main(argv=None):
     record = {"stage": "pretrain", "preset": args.preset, "depth": args.depth, "params": num_params,
               "steps": num_iterations, "tokens": total_tokens, "val_bpb": val_bpb, "train_loss": loss_value,
               "seconds": train_seconds, "tokens_per_sec": average_tps, "world_size": world_size,
-              "device": str(device.type), "curve": curve, "val": val_curve}
+              "device": str(device.type)}
     if peak and average_tps:
         record["mfu"] = flops_per_token * average_tps / (peak * world_size)
     if device.type == "cuda":
@@ -429,7 +422,7 @@ def main(argv=None):
             dist.all_reduce(dropped)
         record["contaminated_docs"] = int(dropped)
         print0(f"decontamination: skipped {int(dropped):,} documents that overlap an evaluation set")
-    append_report(record)
+    append_report(record, logger)
     print0(f"done: val bpb {val_bpb:.4f}, train loss {loss_value}, {train_seconds:.0f}s of training")
     logger.finish()
     compute_cleanup()

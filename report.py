@@ -3,19 +3,22 @@ The report card: $NANOPOST_HOME/report.md rendered from report.jsonl, and the co
 
     python report.py        # re-render $NANOPOST_HOME/report.md (and report_plots/) from report.jsonl
 
-Every stage appends its record to report.jsonl (common.append_report); eval.py appends one per evaluated checkpoint
-and re-renders the card. The card: the environment, each stage's time and metrics, one table of task metrics across
-the stages, the coverage table (A = pass@n - pass@1, S = A / (1 - pass@1), bootstrap intervals), the paired
-Sharpening tax between stages, and matplotlib plots of the training curves and pass@k curves (optional).
+Every stage appends its record to report.jsonl (common.append_report), with the curves its Logger kept; eval.py
+appends one per evaluated checkpoint and re-renders the card. The card: the environment, each stage's time and
+metrics, one table of task metrics across the stages, the coverage table (A = pass@n - pass@1, S = A / (1 - pass@1),
+bootstrap intervals), the paired Sharpening tax between stages, and matplotlib figures (optional, Agg backend): one
+per stage of its training curves (STAGE_PANELS) and the pass@k curves.
 """
 
 import argparse
+import io
 import math
 import os
 import platform
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -187,31 +190,20 @@ def environment():
             "devices": devices, "rendered": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def _is_curve(value):
-    return isinstance(value, dict) and isinstance(value.get("step"), list)
-
-
 def curves_of(record):
     """
-    The training curves a stage stored in its report record: every dict value (at any depth) holding a "step"
-    list, e.g. record["curve"] = {"step": [...], "loss": [...], "lr": [...]}. Returns {name: {series: (steps, values)}}
-    with the series that have one value per step.
+    {series: (steps, values)} of the training curves in a stage's record: the groups common.Logger.curves wrote
+    under "curves", each {"step": [...], series: [...], ...}.
     """
-    found = {}
-    for key, value in record.items():
-        if _is_curve(value):
-            found[key] = {name: (value["step"], values) for name, values in value.items()
-                          if name != "step" and isinstance(values, list) and len(values) == len(value["step"])}
-        elif isinstance(value, dict):
-            found.update({f"{key}/{name}": series for name, series in curves_of(value).items()})
-    return found
+    return {name: (group["step"], values) for group in record.get("curves", []) for name, values in group.items()
+            if name != "step"}
 
 
 def scalars_of(record, prefix=""):
-    """A record's scalar values as {name: value}, nested dicts flattened to "outer/inner", lists and curves left out."""
+    """A record's scalar values as {name: value}, nested dicts flattened to "outer/inner", lists (curves) left out."""
     flat = {}
     for key, value in record.items():
-        if isinstance(value, dict) and not _is_curve(value):
+        if isinstance(value, dict):
             flat.update(scalars_of(value, f"{prefix}{key}/"))
         elif isinstance(value, (int, float, str, bool)) or value is None:
             flat[prefix + key] = value
@@ -328,12 +320,101 @@ def paired_table(rows):
     return lines + ([""] + refused if refused else [])
 
 
-def draw_plots(records, out_dir):
+# -----------------------------------------------------------------------------
+# The figures
+
+
+class Panel(NamedTuple):
     """
-    PNG plots for the report, written to out_dir: each stage's training curves (latest run of the stage) and, per
-    generative task, the pass@k curves of the evaluated stages. Returns {name: path}, or None when matplotlib is
-    not installed (it is optional).
+    One plot of a stage's figure: `left` series on the left axis and `right` series on a second y-axis, each a
+    (series logged by the stage, legend label) pair, with the axes' labels (units). A panel is drawn when the stage
+    logged its first series (so GRPO's figure has no reward-model or critic panel), with those of the others it logged
+    (no KL without a reference model).
     """
+
+    title: str
+    left: tuple
+    left_label: str
+    right: tuple = ()
+    right_label: str = ""
+
+
+# Series logged on held-out data: drawn as dashed lines with a marker at each evaluation, training series as lines.
+HELD_OUT_PREFIXES = ("val/", "eval/")
+
+PRETRAIN_PANELS = [
+    Panel("loss", [("train/loss", "training loss")], "cross-entropy (nats/token)",
+          [("val/bpb", "held-out bits per byte")], "bits per byte"),
+    Panel("schedule and throughput", [("train/lrm", "learning-rate multiplier")], "x initial learning rate",
+          [("train/tokens_per_sec", "tokens/s")], "tokens/s"),
+]
+SFT_PANELS = [
+    Panel("loss on assistant tokens", [("train/loss", "training loss"), ("val/loss", "held-out loss")],
+          "cross-entropy (nats/target token)"),
+]
+# Every --loss logs loss and margin; the pairwise losses also accuracy and log-probs, KTO its desirable and
+# undesirable rewards and z0 (dpo.preference_losses).
+DPO_PANELS = [
+    Panel("loss (with its NLL term: --sft-weight, ORPO's)", [("train/loss", "training"), ("val/loss", "held-out")],
+          "loss (nats per pair; KTO: per answer)"),
+    Panel("implicit reward margin", [("train/rewards/margins", "training"), ("val/rewards/margins", "held-out")],
+          "chosen - rejected reward (nats)"),
+    Panel("preference accuracy", [("train/rewards/accuracy", "training"), ("val/rewards/accuracy", "held-out")],
+          "share of pairs ranked right"),
+    Panel("log-probabilities of the answers", [("train/logps/chosen", "chosen"), ("train/logps/rejected", "rejected")],
+          "log pi(answer | prompt) (nats)"),
+    Panel("KTO rewards and reference point", [("train/rewards/desirable", "desirable answers"),
+                                              ("train/rewards/undesirable", "undesirable answers")],
+          "implicit reward (nats)", [("train/kl", "z0 (KL estimate)")], "z0 (nats)"),
+]
+# Rejection-sampling fine-tuning (sft.py --rft-rounds): one point per round, round 0 the model it started from.
+RFT_PANELS = [
+    Panel("held-out coverage", [("eval/pass@1", "pass@1"), ("eval/pass@k", "pass@k (k = --rft-eval-samples)")],
+          "share of held-out problems (T = 1)"),
+    Panel("kept answers and loss", [("rft/answers_kept", "answers kept"), ("rft/prompts_kept", "problems kept")],
+          "count (all ranks)", [("train/loss", "mean training loss of the round")], "cross-entropy (nats/target token)"),
+]
+RM_PANELS = [
+    Panel("pair accuracy", [("train/accuracy", "training"), ("val/accuracy", "held-out")],
+          "share of pairs ranked right"),
+    Panel("held-out margin and loss", [("val/margin", "margin r(chosen) - r(rejected)")], "score difference",
+          [("train/loss", "training loss"), ("val/loss", "held-out loss")], "loss (nats/pair)"),
+]
+# GRPO, PPO and RL from a reward model log the same rollout and policy series; each adds its own panel.
+RL_PANELS = [
+    Panel("reward and held-out pass@1", [("reward/mean", "reward (training rollouts)"),
+                                         ("eval/pass@1", "held-out pass@1")], "reward / pass@1"),
+    Panel("reward model vs verifier", [("reward/rm_score", "RM score (training rollouts)"),
+                                       ("eval/rm_score", "RM score (held-out)")], "reward-model score",
+          [("reward/accuracy", "verifier accuracy (training rollouts)"), ("eval/pass@1", "held-out pass@1 (verifier)")],
+          "verifier pass rate"),
+    Panel("critic", [("critic/value_loss", "value loss")], "value loss (squared reward units)",
+          [("critic/explained_variance", "explained variance")], "explained variance of the returns"),
+    Panel("entropy and KL", [("policy/entropy", "entropy")], "entropy (nats/token)",
+          [("policy/kl", "KL to the reference")], "KL (nats/token)"),
+    Panel("response length, truncated and zero-contrast shares", [("length/mean", "mean length")], "tokens",
+          [("length/truncated_frac", "truncated"), ("batch/zero_contrast_frac", "zero-contrast groups")], "share"),
+    Panel("clipping and engine/learner gap", [("policy/clip_low", "clipped low"), ("policy/clip_high", "clipped high")],
+          "share of tokens", [("mismatch/logp_gap_mean", "|engine - learner| log-prob")], "nats/token"),
+]
+# Which panels a stage's figure has, by the stage name in its record (the script that wrote it does not matter).
+STAGE_PANELS = {"pretrain": PRETRAIN_PANELS, "sft": SFT_PANELS, "rft": RFT_PANELS, "dpo": DPO_PANELS, "rm": RM_PANELS,
+                "rl": RL_PANELS, "rlhf": RL_PANELS, "ppo": RL_PANELS}
+# An RL step is one batch of rollouts and the optimizer steps on it (--epochs x --minibatches); other stages'
+# steps are optimizer steps.
+STEP_LABELS = {**dict.fromkeys(("rl", "rlhf", "ppo"), "step (one rollout batch and its updates)"),
+               "rft": "round (sample, keep the verified, one SFT pass)"}
+
+
+def stage_panels(stage, curves):
+    """The panels of a stage's figure whose first series is in `curves` (curves_of); a stage without its own list of
+    panels gets one panel per series, the first six."""
+    panels = STAGE_PANELS.get(stage) or [Panel(name, [(name, name)], name) for name in list(curves)[:6]]
+    return [panel for panel in panels if panel.left[0][0] in curves]
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display), or None when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -341,23 +422,82 @@ def draw_plots(records, out_dir):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    return plt
+
+
+def stage_figure(stage, record):
+    """
+    The figure of one stage's training curves (stage_panels of its record), or None when it logged none. Each drawn
+    line's gid is the name of its series. Needs matplotlib.
+    """
+    plt = pyplot()
+    curves = curves_of(record)
+    panels = stage_panels(stage, curves)
+    if not panels:
+        return None
+    columns = min(len(panels), 2)
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    for ax, panel in zip(axes.flat, panels):
+        handles, color = [], 0
+        for axis, series, label in ((ax, panel.left, panel.left_label), (None, panel.right, panel.right_label)):
+            series = [(name, legend) for name, legend in series if name in curves]
+            if not series:
+                continue
+            axis = axis or ax.twinx()
+            for name, legend in series:
+                steps, values = curves[name]
+                held_out = name.startswith(HELD_OUT_PREFIXES)
+                marker = "o" if held_out else "." if len(steps) <= 20 else None  # a short run's points stay visible
+                line, = axis.plot(steps, values, color=f"C{color}", linestyle="--" if held_out else "-",
+                                  marker=marker, markersize=4, linewidth=1.2, gid=name,
+                                  label=legend + (" (held-out)" if held_out and "held-out" not in legend else ""))
+                handles.append(line)
+                color += 1
+            axis.set_ylabel(label)
+        ax.set_title(panel.title, fontsize=10)
+        ax.set_xlabel(STEP_LABELS.get(stage, "optimizer step"))
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # steps are whole numbers, also in a short run
+        ax.grid(alpha=0.3)
+        ax.legend(handles=handles, fontsize=7)
+    fig.suptitle(f"{stage}: training curves (dashed with markers: held-out evaluations)", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def save_png(fig, path, dpi):
+    """
+    Save a figure as a 64-colour PNG: plots of lines use few colours, and the palette keeps a six-panel stage figure
+    near 40 KB where matplotlib's RGBA PNG is about 150 KB, with no visible difference. (Pillow comes with
+    matplotlib.)
+    """
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=dpi)
+    Image.open(buffer).convert("RGB").quantize(colors=64).save(path, optimize=True)
+
+
+def draw_plots(records, out_dir):
+    """
+    PNG plots for the report, written to out_dir: each stage's training curves (stage_figure, latest run of the
+    stage) and, per generative task, the pass@k curves of the evaluated stages. Returns {name: path}, or None when
+    matplotlib is not installed (it is optional).
+    """
+    plt = pyplot()
+    if plt is None:
+        return None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = {}
     for stage, record in latest_stage_records(records).items():
-        series = [(f"{group}: {name}" if group != "curve" else name, steps, values)
-                  for group, curves in curves_of(record).items() for name, (steps, values) in curves.items()]
-        if not series:
+        fig = stage_figure(stage, record)
+        if fig is None:
             continue
-        fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3), squeeze=False)
-        for ax, (name, steps, values) in zip(axes[0], series):
-            ax.plot(steps, values)
-            ax.set_title(name)
-            ax.set_xlabel("step")
-        fig.suptitle(stage)
-        fig.tight_layout()
         plots[stage] = out_dir / f"{stage}.png"
-        fig.savefig(plots[stage], dpi=100)
+        save_png(fig, plots[stage], dpi=80)
         plt.close(fig)
     evals = merged_evals(records)
     for task in dict.fromkeys(task for entry in evals.values() for task in entry["coverage"]):
@@ -370,14 +510,14 @@ def draw_plots(records, out_dir):
             curve = pass_at_k_curve(counts["correct"], counts["samples"])
             ax.plot(range(1, len(curve) + 1), curve, marker="o", label=stage)
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda k, _: f"{k:g}"))  # 1 2 4 8, not 2^0 ...
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda k, _: f"{k:g}"))  # 1 2 4 8, not 2^0 ...
         ax.set_xlabel("k (samples)")
         ax.set_ylabel("pass@k")
         ax.set_title(f"{task}: pass@k averaged over problems")
         ax.legend()
         fig.tight_layout()
         plots[f"coverage-{task}"] = out_dir / f"coverage-{task}.png"
-        fig.savefig(plots[f"coverage-{task}"], dpi=100)
+        save_png(fig, plots[f"coverage-{task}"], dpi=100)
         plt.close(fig)
     return plots
 

@@ -230,7 +230,7 @@ def main(argv=None):
         start_step, history = extra["step"], extra["history"]
         source_totals.update(extra["source_totals"])
         print0(f"resuming at step {start_step}")
-    logger = Logger(args.run, vars(args))
+    logger = Logger(args.run, vars(args), series=extra.get("curves"))  # on --resume, the curves so far
     if start_step == 0:
         history.append(evaluate_held_out(engine, test_task, eval_indices, args, 0, reward_model))
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
@@ -244,7 +244,7 @@ def main(argv=None):
         if rank != 0:
             return
         state = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
-                 "source_totals": dict(source_totals)}
+                 "source_totals": dict(source_totals), "curves": logger.series}
         state.update(rollouts.state_dict())  # PTGS counts, the --async worker's pending weights
         save_checkpoint(out, step, model, {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
                                            "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=state)
@@ -325,7 +325,7 @@ def main(argv=None):
                                source_totals)
         extra_line = ""
         if ref_model is not None:
-            metrics["policy/kl"] = tally["kl_sum"] / max(tally["loss_tokens"], 1)
+            metrics["policy/kl"] = tally["kl_sum"] / (tally["loss_tokens"] or math.nan)  # NaN: no token trained
         if reward_model is not None:
             metrics["reward/rm_score"] = tally["rm_score_sum"] / max(tally["completions"], 1)  # before normalising
             extra_line = f"| rm score {metrics['reward/rm_score']:+.3f} verifier acc {metrics['reward/accuracy']:.3f} "
@@ -348,7 +348,7 @@ def main(argv=None):
     save(args.num_steps, finished=True)
     # Its own row of the report card: RL from the reward model (speedrun.sh --rlhf) next to GRPO's.
     append_report(report_record("rlhf" if reward_model is not None else "rl", args, history, len(eval_indices),
-                                time.time() - t_start, source_totals, decontaminated, len(train_task)))
+                                time.time() - t_start, source_totals, decontaminated, len(train_task)), logger)
     logger.finish()
     compute_cleanup()
 

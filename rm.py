@@ -203,6 +203,7 @@ def main(argv=None):
     learner = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp \
         else model
     logger = common.Logger(args.run, vars(args))
+    logger.log({f"val/{k}": v for k, v in history[0].items() if k != "step"}, 0)
     micro_steps = pairs_per_rank // args.device_batch_size
     order = torch.randperm(len(train_pairs), generator=torch.Generator().manual_seed(args.seed)).tolist()
     t0 = time.time()
@@ -249,9 +250,7 @@ def main(argv=None):
                           "train_pairs": min_pairs * world_size, "eval_pairs": eval_counts["paired"],
                           "center_coef": args.center_coef, "pair_accuracy": after["accuracy"],
                           "margin": after["margin"], "mean_score": after["score"], "loss": after["loss"],
-                          "curve": {"step": [h["step"] for h in history],
-                                    "val_accuracy": [h["accuracy"] for h in history]},
-                          "seconds": time.time() - stage_start})
+                          "seconds": time.time() - stage_start}, logger)
     compute_cleanup()
 
 

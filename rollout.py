@@ -1351,11 +1351,13 @@ def step_metrics(tally, optimizer_steps, grad_norms, seconds, info, sources, sou
     """
     The logged metrics of a step from its reduced tally: rollout outcomes of every sampled group (filtered ones
     included), learner statistics, timings (seconds: rollout, learner), per-source accounting (also added to
-    source_totals, the run's sums for the report).
+    source_totals, the run's sums for the report). A step that trained no token (every group zero-contrast) has
+    NaN per-token learner statistics: nothing was measured, and a 0 would read as a collapsed entropy in a figure.
     """
     world_size = get_dist_info()[3]
-    n, tokens = max(tally["completions"], 1), max(tally["trained_tokens"], 1)
-    loss_tokens = max(tally["loss_tokens"], 1)
+    n = max(tally["completions"], 1)
+    tokens = tally["trained_tokens"] or math.nan
+    loss_tokens = tally["loss_tokens"] or math.nan
     reward_mean = tally["reward_sum"] / n
     rollout_s, learner_s = seconds
     metrics = {"reward/mean": reward_mean,

@@ -305,11 +305,12 @@ def held_out_coverage(model, tokenizer, task, args, device):
     return {"pass@1": result["pass@1"], f"pass@{k}": result[f"pass@{k}"], "truncated": result["truncated"]}
 
 
-def rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, out_dir, max_seq_len):
+def rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, out_dir, max_seq_len, logger):
     """
     --rft-rounds R of sample -> filter (rft_keep) -> one SFT pass over what was kept (see the docstring). Every rank
     samples its share of the prompts and trains on its own kept answers, the same number of steps on every rank (the
-    fewest a rank can fill). Returns (the per-round records, held-out metrics before the first round).
+    fewest a rank can fill). Logs each round's numbers at step = round (0: before the first) to `logger`. Returns
+    (the per-round records, held-out metrics before the first round).
     """
     world_size = dist.get_world_size() if ddp else 1
     train_task = task_by_name(args.rft_task, "train", args.rft_prompts, args.seed)
@@ -328,6 +329,7 @@ def rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, o
     print0(f"rft: {args.rft_rounds} rounds of {args.rft_samples} samples x {len(train_task)} {args.rft_task} "
            f"problems, <= {args.rft_keep} kept per problem | held-out pass@1 {before['pass@1']:.1%}, "
            f"pass@{k} {before[f'pass@{k}']:.1%}")
+    logger.log({"eval/pass@1": before["pass@1"], "eval/pass@k": before[f"pass@{k}"]}, 0)
     history = []
     for round_index in range(args.rft_rounds):
         t0 = time.time()
@@ -359,6 +361,9 @@ def rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, o
                   "sampling": {name: n for name, n in counts.items() if name != "sampled tokens"},
                   **held_out_coverage(model, tokenizer, test_task, args, device)}
         history.append(record)
+        logger.log({"eval/pass@1": record["pass@1"], "eval/pass@k": record[f"pass@{k}"],
+                    "train/loss": record["train_loss"], "rft/answers_kept": record["answers_kept"],
+                    "rft/prompts_kept": record["prompts_kept"]}, round_index + 1)  # a round without a step: no loss
         print0(f"round {round_index + 1}/{args.rft_rounds} | problems with a kept answer {record['prompts_kept']}/"
                f"{args.rft_prompts} | answers kept {record['answers_kept']} | {num_steps} steps"
                + (f", loss {record['train_loss']:.4f}" if losses else " (too few kept answers for a step)")
@@ -443,14 +448,16 @@ def main(argv=None):
            f"{model.config.sequence_len}, vocab {tokenizer.vocab_size}; training on conversations of <= {max_seq_len} "
            "tokens")
     if args.rft_rounds:
+        logger = common.Logger(args.run, vars(args))
         history, before = rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, out_dir,
-                                                    max_seq_len)
+                                                    max_seq_len, logger)
+        logger.finish()
         if rank == 0:
             meta = {"stage": "rft", "finished": True, "preset": args.preset, "args": vars(args),
                     "metrics": history[-1], "from_step": base_meta.get("step")}
             print0(f"saved {common.save_checkpoint(out_dir, args.rft_rounds, model, meta, tokenizer=tokenizer)}")
         common.append_report({"stage": "rft", "preset": args.preset, "seconds": time.time() - stage_start,
-                              "task": args.rft_task, "before": before, "rounds": history})
+                              "task": args.rft_task, "before": before, "rounds": history}, logger)
         compute_cleanup()
         return
 
@@ -516,7 +523,9 @@ def main(argv=None):
     train_model = model
     if ddp:
         train_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    logger = common.Logger(args.run, vars(args))
+    logger = common.Logger(args.run, vars(args), series=extra.get("curves") if resume else None)
+    if start_step == 0:  # the base model's held-out loss: where the held-out curve starts
+        logger.log({"val/loss": before["val_loss"]}, 0)
 
     replay_stream = None
     if args.replay_frac:
@@ -555,7 +564,7 @@ def main(argv=None):
         if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
             common.save_checkpoint(out_dir, step + 1, model, {"stage": "sft", "finished": False}, tokenizer=tokenizer,
                                    extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
-                                          "replay_tokens": replay_consumed})
+                                          "replay_tokens": replay_consumed, "curves": logger.series})
         if preempted:
             common.exit_preempted(out_dir)
 
@@ -576,7 +585,7 @@ def main(argv=None):
     common.append_report({"stage": "sft", "preset": args.preset, "seconds": time.time() - stage_start,
                           "steps": num_steps, "train_loss": train_loss,
                           "val_loss_before": before["val_loss"], "bpb_before": before["bpb"], **final,
-                          "skipped": {f"{name}/{reason}": count for (name, reason), count in skipped.items()}})
+                          "skipped": {f"{name}/{reason}": count for (name, reason), count in skipped.items()}}, logger)
     compute_cleanup()
 
 

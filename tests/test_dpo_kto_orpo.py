@@ -1,6 +1,7 @@
 """
 dpo.py's KTO and ORPO: the losses against hand-computed values (each term's sign, z0's clamp), KTO's unpaired data
-(verifier labels, mismatched answers for z0), and end-to-end tiny runs (ORPO runs no reference forward).
+(verifier labels, mismatched answers for z0), and end-to-end tiny runs (ORPO runs no reference forward) with the
+report card's figure of each.
 """
 
 import math
@@ -11,6 +12,7 @@ import torch
 
 import common
 import dpo
+import report
 import rollout
 import tasks
 from conftest import ends_turn_sometimes, make_model, make_tokenizer
@@ -171,6 +173,11 @@ def test_kto_main_separates_desirable_from_undesirable_and_live_reference_agrees
     assert record["before/loss"] == pytest.approx(0.5, rel=1e-6)  # 1 - sigma(0) for every answer
     assert record["after/rewards/margins"] > 0 and record["after/loss"] < record["before/loss"]
     assert record["after/kl"] >= 0
+    # Its figure: KTO's rewards and z0 in place of the pairwise accuracy and log-probs; 8 steps, held-out every 2.
+    points = {line.get_gid(): len(line.get_xdata()) for ax in report.stage_figure("dpo", record).axes
+              for line in ax.get_lines()}
+    assert points == {"train/loss": 8, "val/loss": 4, "train/rewards/margins": 8, "val/rewards/margins": 4,
+                      "train/rewards/desirable": 8, "train/rewards/undesirable": 8, "train/kl": 8}
 
     # A live reference computes the same z0 and rewards as the precomputed one.
     dpo.main(DPO_ARGS + ["--loss", "kto", "--live-reference", "--out", str(tmp_path / "live")])
@@ -239,6 +246,9 @@ def test_orpo_main_from_base_runs_no_reference_forward(tokenizer, tmp_path, monk
     (record,) = common.read_report()
     assert record["loss_type"] == "orpo"
     assert record["after/loss"] < record["before/loss"] and record["after/rewards/accuracy"] > 0.5
+    titles = [ax.get_title() for ax in report.stage_figure("dpo", record).axes]
+    assert "preference accuracy" in titles and "log-probabilities of the answers" in titles
+    assert "KTO rewards and reference point" not in titles
     _, _, meta = load_model(tmp_path / "checkpoints" / "dpo", "cpu")
     assert meta["finished"] and meta["args"]["sft_weight"] == 0.0
 

@@ -183,6 +183,11 @@ def test_main_ppo_with_gae_trains_policy_and_critic_and_resumes(monkeypatch, tmp
     resumed, _, _ = load_model(out, "cpu")
     for a, b in zip(resumed.state_dict().values(), final.state_dict().values()):
         torch.testing.assert_close(a, b)
+    # the curves come back too: the resumed run's record has step 1's points, logged before the interruption
+    first, again = [json.loads(line) for line in (tmp_path / "home" / "report.jsonl").read_text().splitlines()[-2:]]
+    steps = [{name: group["step"] for group in record["curves"] for name in group if name != "step"}
+             for record in (first, again)]
+    assert steps[0] == steps[1] and steps[1]["critic/value_loss"] == [1, 2] and steps[1]["eval/pass@1"] == [0, 2]
 
 
 def test_ppo_counts_each_sources_loss_mass_from_the_gae_advantages_it_trains_on(monkeypatch, tmp_path, checkpoint):

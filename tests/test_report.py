@@ -13,11 +13,12 @@ import report
 RECORDS = [
     {"time": "2025-01-01 10:00:00", "stage": "tokenizer", "vocab_size": 2048, "val_bytes_per_token": 3.14159},
     {"time": "2025-01-01 10:05:00", "stage": "base", "seconds": 125.0, "val_bpb": 1.25,
-     "curve": {"step": [0, 100, 200], "loss": [7.5, 3.0, 2.25]}},
+     "curves": [{"step": [1, 100, 200], "train/loss": [7.5, 3.0, 2.25]}]},
     {"time": "2025-01-01 10:06:00", "stage": "sft", "seconds": 60.0, "metrics": {"val_loss": 0.8},
-     "curve": {"step": [1, 2, 3], "loss": [1.5, 1.0, 0.75], "lr": [0.1, 0.1]}},  # lr: one value short, not plotted
+     "curves": [{"step": [1, 2, 3], "train/loss": [1.5, 1.0, 0.75], "lr_multiplier": [1.0, 0.67, 0.33]},
+                {"step": [0, 3], "val/loss": [2.0, 0.8]}]},
     {"time": "2025-01-01 10:09:00", "stage": "base", "seconds": 130.0, "val_bpb": 1.2,  # a re-run replaces the first
-     "curve": {"step": [0, 100, 200], "loss": [7.5, 2.9, 2.0]}, "val": {"step": [0, 200], "bpb": [3.0, 1.2]}},
+     "curves": [{"step": [1, 100, 200], "train/loss": [7.5, 2.9, 2.0]}, {"step": [0, 200], "val/bpb": [3.0, 1.2]}]},
     {"time": "2025-01-01 10:10:00", "stage": "eval", "of": "sft", "step": 50,
      "metrics": {"bpb": 1.3, "synthetic/pass@1": 0.4375, "synthetic/pass@4": 0.75},
      "coverage": {"synthetic": {"samples": 4, "correct": [0, 1, 4, 2]}}},
@@ -82,9 +83,11 @@ def test_report_plots(home):
 
 def test_curves_and_scalars_of_a_record():
     record = RECORDS[3]
-    assert report.curves_of(record) == {"curve": {"loss": ([0, 100, 200], [7.5, 2.9, 2.0])},
-                                        "val": {"bpb": ([0, 200], [3.0, 1.2])}}
-    assert report.curves_of(RECORDS[2]) == {"curve": {"loss": ([1, 2, 3], [1.5, 1.0, 0.75])}}
+    assert report.curves_of(record) == {"train/loss": ([1, 100, 200], [7.5, 2.9, 2.0]),
+                                        "val/bpb": ([0, 200], [3.0, 1.2])}
+    assert report.curves_of(RECORDS[2]) == {"train/loss": ([1, 2, 3], [1.5, 1.0, 0.75]),
+                                            "lr_multiplier": ([1, 2, 3], [1.0, 0.67, 0.33]),
+                                            "val/loss": ([0, 3], [2.0, 0.8])}
     assert report.scalars_of(RECORDS[2]) == {"time": "2025-01-01 10:06:00", "stage": "sft", "seconds": 60.0,
                                              "metrics/val_loss": 0.8}
 
@@ -94,3 +97,20 @@ def test_report_of_an_empty_run(home):
     assert common.read_report() == []
     text = report.render_report([], {"git commit": "abc"}, plots=None)
     assert text == "# nanopost report card\n\n## Environment\n\n| | |\n|---|---|\n| git commit | abc |\n"
+
+
+def test_a_stage_figure_has_its_stages_panels_and_marks_held_out_points():
+    pytest.importorskip("matplotlib")
+    fig = report.stage_figure("sft", RECORDS[2])
+    lines = {line.get_gid(): line for ax in fig.axes for line in ax.get_lines()}
+    assert set(lines) == {"train/loss", "val/loss"}  # SFT's panel: lr_multiplier is logged but not drawn
+    assert list(lines["val/loss"].get_xdata()) == [0, 3] and list(lines["val/loss"].get_ydata()) == [2.0, 0.8]
+    assert (lines["val/loss"].get_marker(), lines["val/loss"].get_linestyle()) == ("o", "--")  # held-out
+    assert (lines["train/loss"].get_marker(), lines["train/loss"].get_linestyle()) == (".", "-")  # a short run's dots
+    long_run = {"stage": "sft", "curves": [{"step": list(range(1, 22)), "train/loss": [1.0] * 21}]}
+    assert report.stage_figure("sft", long_run).axes[0].get_lines()[0].get_marker() == "None"
+    assert fig.axes[0].get_xlabel() == "optimizer step" and "nats" in fig.axes[0].get_ylabel()
+    # a stage without panels of its own ("base" is not a stage name the scripts write): one panel per series
+    fig = report.stage_figure("base", RECORDS[3])
+    assert [ax.get_title() for ax in fig.axes] == ["train/loss", "val/bpb"]
+    assert report.stage_figure("tokenizer", RECORDS[0]) is None

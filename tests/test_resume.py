@@ -1,7 +1,8 @@
 """
 Resume is bit-exact in every chat stage: a run killed after a mid-run checkpoint (--save-every 1) and resumed with
---resume ends with weights torch.equal to an uninterrupted run's, and the two report records agree (all but the
-time stamp and the wall-clock seconds). Pretraining's own check is test_pretrain.test_resume_is_bit_exact.
+--resume ends with weights torch.equal to an uninterrupted run's, and the two report records agree, curves included
+(all but the time stamp, the wall-clock seconds and timings). Pretraining's own check is
+test_pretrain.test_resume_is_bit_exact.
 
 The kill: the stage's Logger raises when it is handed the metrics of step `kill_at`, after that step's update and
 before its checkpoint, so the last checkpoint on disk is step kill_at - 1 and the resumed run redoes step kill_at.
@@ -58,8 +59,16 @@ def assert_same_run(out_a, out_b):
     for key in state_a:
         assert torch.equal(state_a[key], state_b[key]), key
     record_a, record_b = common.read_report()[-2:]  # the uninterrupted run's, then the resumed run's
-    drop = lambda record: {k: v for k, v in record.items() if k not in ("time", "seconds")}  # noqa: E731
-    assert drop(record_a) == drop(record_b)
+    assert without_clock(record_a) == without_clock(record_b)
+
+
+def without_clock(record):
+    """A report record less what the wall clock decides: its time stamp, its seconds and the timing series (time/...)
+    of its curves. The curves themselves must survive the resume: a resumed stage's Logger restarts from the
+    checkpoint's series."""
+    curves = [{name: values for name, values in group.items() if not name.startswith("time/")}
+              for group in record["curves"]]
+    return {**{k: v for k, v in record.items() if k not in ("time", "seconds")}, "curves": curves}
 
 
 SFT_ARGS = ["--preset", "tiny", "--device", "cpu", "--train-rows", "48", "--batch-size", "16",

@@ -475,3 +475,15 @@ def test_learner_logprobs_detached_are_exactly_the_old_logprobs(model, tokenizer
     model.zero_grad(set_to_none=True)
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+def test_a_step_that_trained_no_token_logs_nan_learner_statistics_not_zeros():
+    # Four sampled completions, every group zero-contrast: the learner saw nothing, so entropy, gap and clipping
+    # are unmeasured (NaN, a gap in the report's figure), while the rollout's own numbers stay real.
+    sampled = {"completions": 4, "reward_sum": 4.0, "reward_sq_sum": 4.0, "correct": 4, "errors": 0,
+               "zero_contrast": 1, "groups": 1, "rounds": 1, "length_sum": 12, "length_max": 3, "truncated": 0}
+    metrics = rollout.step_metrics(rollout.learner_tally(sampled, [], [0, 0]), 0, [], (1.0, 0.0), {}, [], {})
+    for name in ("policy/entropy", "policy/clip_low", "policy/clip_high", "mismatch/logp_gap_mean",
+                 "mismatch/corrected_frac"):
+        assert math.isnan(metrics[name]), name
+    assert metrics["reward/mean"] == 1.0 and metrics["length/mean"] == 3.0 and metrics["batch/zero_contrast_frac"] == 1

@@ -1,12 +1,15 @@
 """
 sft.py --rft-rounds (rejection-sampling fine-tuning): the filter (verified answers only, at most m per problem) and
-end-to-end rounds on a tiny real model whose samples a toy verifier accepts about half the time.
+end-to-end rounds on a tiny real model whose samples a toy verifier accepts about half the time, and the figure of
+those rounds in the report card.
 """
 
-import pytest
+import importlib.util
+
 import torch
 
 import common
+import report
 import sft
 import tasks
 from conftest import ends_turn_sometimes, make_model, make_tokenizer
@@ -61,3 +64,10 @@ def test_rft_rounds_sample_filter_and_train(tmp_path, monkeypatch, capsys):
     state, meta, _ = common.load_checkpoint(tmp_path / "checkpoints" / "rft")
     assert meta["stage"] == "rft" and meta["finished"]
     assert not torch.equal(state["lm_head.weight"], model.state_dict()["lm_head.weight"])
+    # Its figure: held-out coverage before (round 0) and after each round, kept answers and loss of each round.
+    if importlib.util.find_spec("matplotlib"):
+        fig = report.stage_figure("rft", record)
+        assert {line.get_gid(): list(line.get_xdata()) for ax in fig.axes for line in ax.get_lines()} == {
+            "eval/pass@1": [0, 1, 2], "eval/pass@k": [0, 1, 2], "rft/answers_kept": [1, 2], "rft/prompts_kept": [1, 2],
+            "train/loss": [1, 2]}
+        assert fig.axes[0].get_xlabel().startswith("round")
