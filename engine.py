@@ -6,9 +6,11 @@ Generation: the KV cache, the sampling distribution, the calculator tool, and a 
 
 Engine.generate(prompts, num_samples): each prompt is prefilled once (batch 1) and its cache copied into its
 num_samples rows; then every row of every prompt decodes together, one token per step, each row at its own
-position. A row stops at <|assistant_end|> (or <|bos|>) or after max_tokens tokens. When a row closes a calculator
-call <|python_start|>expr<|python_end|>, the engine evaluates expr and forces <|output_start|>result<|output_end|>
-into that row, one token per step, with mask 0 (the model never chose them, so RL must not train on them).
+position. A row stops at <|assistant_end|> (or <|bos|>) or after max_tokens tokens; once half of the rows have
+stopped, the eager step drops them from its cache (KVCache.keep_rows), so a few long answers do not keep every
+finished row in the matmuls. When a row closes a calculator call <|python_start|>expr<|python_end|>, the engine
+evaluates expr and forces <|output_start|>result<|output_end|> into that row, one token per step, with mask 0 (the
+model never chose them, so RL must not train on them).
 Engine.generate_steps is the same loop, step by step, with one Sampling (settings and seed) per prompt: serve.py
 decodes concurrent requests together with it.
 Each step samples with sample_tokens (inverse CDF, one seeded uniform per row) from sampling_logprobs's distribution.
