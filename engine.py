@@ -6,9 +6,11 @@ Generation: the KV cache, the sampling distribution, the calculator tool, and a 
 
 Engine.generate(prompts, num_samples): each prompt is prefilled once (batch 1) and its cache copied into its
 num_samples rows; then every row of every prompt decodes together, one token per step, each row at its own
-position. A row stops at <|assistant_end|> (or <|bos|>) or after max_tokens tokens. When a row closes a calculator
-call <|python_start|>expr<|python_end|>, the engine evaluates expr and forces <|output_start|>result<|output_end|>
-into that row, one token per step, with mask 0 (the model never chose them, so RL must not train on them).
+position. A row stops at <|assistant_end|> (or <|bos|>) or after max_tokens tokens; once half of the rows have
+stopped, the eager step drops them from its cache (KVCache.keep_rows), so a few long answers do not keep every
+finished row in the matmuls. When a row closes a calculator call <|python_start|>expr<|python_end|>, the engine
+evaluates expr and forces <|output_start|>result<|output_end|> into that row, one token per step, with mask 0 (the
+model never chose them, so RL must not train on them).
 Engine.generate_steps is the same loop, step by step, with one Sampling (settings and seed) per prompt: serve.py
 decodes concurrent requests together with it.
 Each step samples with sample_tokens (inverse CDF, one seeded uniform per row) from sampling_logprobs's distribution.
@@ -124,6 +126,15 @@ class KVCache:
         """Called once per forward, after the last layer: every row now holds T more tokens."""
         self.lengths += T
         self.filled += T
+
+    def keep_rows(self, index):
+        """Keep only the rows `index` (a LongTensor, in the order given): an index select of every layer's keys and
+        values, the lengths and the padding mask."""
+        for layer in range(len(self.keys)):
+            self.keys[layer], self.values[layer] = self.keys[layer][index], self.values[layer][index]
+        self.lengths = self.lengths[index]
+        if self.padding is not None:
+            self.padding = self.padding[index]
 
 
 class StaticKVCache:
@@ -452,6 +463,7 @@ class Engine:
             kv_cache = KVCache.from_prefills(prefills, num_samples, max_len)
 
         rows = [_Row() for _ in range(len(prompts) * num_samples)]
+        decoding = list(range(len(rows)))  # the rows the eager step's cache holds, in its order
         while True:
             logprobs, sampled = [], []  # per Sampling: its rows' distributions (group, V) and samples (group,)
             for i, (sampling, generator) in enumerate(zip(samplings, generators)):
@@ -476,7 +488,8 @@ class Engine:
             if all(row.completion.finish is not None for row in rows):
                 return
             # The sampled tokens stay on the device as the next input; only forced tool tokens come from the host.
-            # A finished row's outputs are never read, so it feeds whatever it sampled and the batch keeps its shape.
+            # A finished row's outputs are never read, so it feeds whatever it sampled: the batch keeps its shape until
+            # the eager step drops finished rows (below; the compiled one keeps its shape throughout).
             next_ids = sampled[:, None]  # (B, 1)
             if forced:
                 index, values = zip(*forced)
@@ -484,8 +497,20 @@ class Engine:
                                               torch.tensor(values, device=device)[:, None])
             if self.compiled:
                 logits = self._step(model, F.pad(next_ids, (0, 0, 0, pad_rows)), kv_cache)[:len(rows)]  # (B, V)
-            else:
+                continue
+            # The eager step drops finished rows from its cache once they are half of it: answers of very different
+            # lengths (a few run to max_tokens) would otherwise keep every finished row in each step's matmuls.
+            # Every row still gets logits and a uniform (a finished row keeps its last logits), so the draws, and
+            # the tokens of the rows still decoding, are those of the full batch.
+            keep = [position for position, i in enumerate(decoding) if rows[i].completion.finish is None]
+            if 2 * len(keep) <= len(decoding):
+                kv_cache.keep_rows(torch.tensor(keep, device=device))
+                decoding = [decoding[position] for position in keep]
+            if len(decoding) == len(rows):
                 logits = _one_token_logits(model, next_ids, kv_cache)  # (B, V)
+            else:
+                index = torch.tensor(decoding, device=device)
+                logits = logits.index_copy(0, index, _one_token_logits(model, next_ids[index], kv_cache))
 
     def _load_static_cache(self, prefills, repeats, max_len):
         """

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import engine as engine_module
 from conftest import scripted_model
 from engine import Engine, assistant_content, calculator, sample_tokens, sampling_logprobs
 from model import GPT, GPTConfig
@@ -234,6 +235,36 @@ def test_compiled_keeps_its_cache_across_calls_and_matches_eager(model, tokenize
                 torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-5, rtol=0)
         storages.append(compiled._static_cache.keys[0].data_ptr())
     assert storages[0] == storages[1] == storages[2] != storages[3]
+
+
+def test_eager_step_drops_finished_rows_and_keeps_the_others_draws(model, tokenizer, prompts, monkeypatch):
+    # Once half of the rows have finished, the eager step decodes only the others (KVCache.keep_rows). The rows still
+    # decoding must get the tokens and log-probs the full batch gives them: same cache rows, same positions and
+    # padding, same uniforms. Rows are finished early here by the caller (generate_steps), as a server does.
+    from engine import Sampling
+
+    def run(finish_early):
+        steps = Engine(model, tokenizer, compiled=False).generate_steps(
+            prompts, [Sampling(temperature=1.0, seed=s) for s in (3, 4, 5)], num_samples=3, max_tokens=12)
+        for step, rows in enumerate(steps):
+            if step == 2 and finish_early:
+                for i in (0, 1, 3, 4, 6):
+                    rows[i].finish = "cancelled"
+        return rows
+
+    batch_rows = []
+    full = run(False)
+    one_token_logits = engine_module._one_token_logits
+
+    def counting(model, ids, kv_cache):  # records each decode step's batch size
+        batch_rows.append(ids.size(0))
+        return one_token_logits(model, ids, kv_cache)
+
+    monkeypatch.setattr(engine_module, "_one_token_logits", counting)
+    early = run(True)
+    assert batch_rows[:2] == [9, 9] and batch_rows[2:] == [4] * (len(batch_rows) - 2)  # 5 of 9 rows finished
+    for i in (2, 5, 7, 8):
+        assert early[i].tokens == full[i].tokens and early[i].logprobs == full[i].logprobs
 
 
 def test_seed_makes_sampling_deterministic(model, tokenizer, prompts, compiled):
