@@ -16,6 +16,7 @@ decodes concurrent requests together with it.
 import argparse
 import ast
 import operator
+import re
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -468,6 +469,33 @@ def readable_reply(tokenizer, tokens):
     return "".join(pieces)
 
 
+
+_CALL = re.compile(r"\[calculator: (.*?) → ([^\]]*)\]|<\|python_start\|>(.*?)<\|python_end\|>"
+                   r"(?:<\|output_start\|>(.*?)<\|output_end\|>)?", re.DOTALL)
+
+
+def reply_parts(text):
+    """
+    The content parts of a reply's text, the inverse of readable_reply (and of the raw special-token form): each
+    `[calculator: expr → result]`, and each <|python_start|>expr<|python_end|><|output_start|>result<|output_end|>,
+    becomes a python part and a python_output part; the rest stays text. A client that sends a reply back as a plain
+    string thereby gives the model the tool tokens it wrote, not a description of them.
+    """
+    parts, start = [], 0
+    for call in _CALL.finditer(text):
+        if call.start() > start:
+            parts.append({"type": "text", "text": text[start:call.start()]})
+        readable = call.group(1) is not None
+        parts.append({"type": "python", "text": call.group(1) if readable else call.group(3)})
+        output = call.group(2) if readable else call.group(4)
+        if output is not None:
+            parts.append({"type": "python_output", "text": output})
+        start = call.end()
+    if start < len(text) or not parts:
+        parts.append({"type": "text", "text": text[start:]})
+    return parts
+
+
 def main():
     import common  # here, so that importing engine.py needs only torch
 
@@ -522,6 +550,221 @@ def main():
         if args.prompt is not None:
             return
         conversation["messages"].append({"role": "assistant", "content": assistant_content(tokenizer, tokens)})
+
+
+# -----------------------------------------------------------------------------
+# Continuous batching: requests join and leave a running batch between decoding steps
+
+
+@dataclass
+class Request:
+    """
+    One request's rows in a DecodeBatch: num_samples completions of `prompt`, each ending at a stop token or after
+    max_tokens tokens, sampled with the request's own Sampling and generator (so a seeded request draws the same
+    whatever shares its batch). Before sampling_logprobs, its logits get logit_bias added and OpenAI's penalties
+    subtracted: presence_penalty once for every token already generated in that row, frequency_penalty per
+    occurrence. top_logprobs > 0 records, for each sampled token, the most likely tokens of the distribution it was
+    sampled from.
+    """
+    prompt: list
+    num_samples: int = 1
+    max_tokens: int = 256
+    sampling: Sampling = field(default_factory=Sampling)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)  # {token id: added to its logit}
+    top_logprobs: int = 0
+    rows: list = field(default_factory=list)  # its _Rows, by sample, filled in by DecodeBatch.add
+    top: list = field(default_factory=list)  # per sample, per token: [(token, log-prob)], most likely first;
+    # empty for a forced tool-output token (the model did not choose it)
+
+    @property
+    def completions(self):
+        return [row.completion for row in self.rows]
+
+
+class DecodeBatch:
+    """
+    The rows of many requests decoding together, one token per step, while requests join and leave between steps:
+    add() prefills the new prompts together (right-padded in one forward; their num_samples rows share it) and their
+    rows join the batch at the next step(); a row whose Completion has finished (a stop token, its request's
+    max_tokens, or the caller setting finish) leaves at once, before the next forward. The cache keeps KVCache's
+    right-aligned layout: leaving rows are dropped with an index select, joining rows are copied in right-aligned
+    next to the running ones, which also drops the slots no remaining row uses.
+    """
+
+    def __init__(self, engine):
+        self.engine, self.model = engine, engine.model
+        self.device = engine.model.lm_head.weight.device
+        self.live = []  # (request, sample) of each cache row, in row order; a request's rows stay adjacent
+        self.cache = None  # KVCache of the live rows: prompt + every generated token but the last
+        self.next_ids = None  # (B, 1) the last generated token of each live row: the next step's input
+        self.joining = []  # (requests, their prefill KVCache, prompt lengths, last-token logits (P, V))
+
+    @property
+    def rows(self):
+        """Rows decoding now or joining at the next step."""
+        return len(self.live) + sum(r.num_samples for requests, *_ in self.joining for r in requests)
+
+    @torch.inference_mode()
+    def add(self, requests):
+        """Prefill the requests' prompts together; their rows join at the next step()."""
+        model = self.model
+        for r in requests:
+            if not r.prompt or r.num_samples < 1 or r.max_tokens < 1:
+                raise ValueError("every request needs a non-empty prompt, num_samples >= 1 and max_tokens >= 1")
+            if len(r.prompt) + r.max_tokens > model.rotary_len:
+                raise ValueError(f"prompt + max_tokens = {len(r.prompt) + r.max_tokens} tokens exceeds the model's "
+                                 f"{model.rotary_len} positions")
+        lengths = [len(r.prompt) for r in requests]
+        # Right-padded: causal attention never lets a prompt token see the padding after it, so one unmasked forward
+        # is exact for every prompt; the padding slots are never copied into the running cache.
+        ids = torch.zeros(len(requests), max(lengths), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
+        cache = KVCache(len(requests), max(lengths), model.config.n_layer, self.device)
+        h = model.hidden(ids.to(self.device), kv_cache=cache)  # (P, T, C)
+        logits = model.head(h[torch.arange(len(requests)), torch.tensor(lengths) - 1])  # (P, V)
+        vocab = logits.size(-1)
+        for r in requests:
+            r.rows = [_Row() for _ in range(r.num_samples)]
+            r.top = [[] for _ in range(r.num_samples)]
+            r._generator = torch.Generator(device=self.device)
+            if r.sampling.seed is None:
+                r._generator.seed()
+            else:
+                r._generator.manual_seed(r.sampling.seed)
+            r._bias = None
+            if r.logit_bias:
+                r._bias = torch.zeros(vocab, device=self.device)
+                r._bias[torch.tensor(list(r.logit_bias), device=self.device)] = \
+                    torch.tensor(list(r.logit_bias.values()), dtype=torch.float, device=self.device)
+            penalised = r.presence_penalty != 0 or r.frequency_penalty != 0
+            r._counts = torch.zeros(r.num_samples, vocab, device=self.device) if penalised else None
+        self.joining.append((requests, cache, lengths, logits))
+
+    @torch.inference_mode()
+    def step(self):
+        """
+        Decode one token for every unfinished row (joining rows included); rows update their Completions (and
+        Request.top) in place. Rows finished by the caller since the last step leave first.
+        """
+        self._drop_finished()
+        logits = [self.model(self.next_ids, kv_cache=self.cache)[:, -1]] if self.live else []  # (B, V)
+        for requests, cache, lengths, prompt_logits in self.joining:
+            self._join(requests, cache, lengths)
+            logits.append(prompt_logits.repeat_interleave(torch.tensor([r.num_samples for r in requests],
+                                                                       device=self.device), dim=0))
+        self.joining = []
+        if not self.live:
+            return
+        logits = torch.cat(logits)  # (B, V)
+
+        sampled, chosen, tops, start = [], [], [], 0
+        for request, samples in self._runs():
+            lg = logits[start:start + len(samples)]  # (rows of this request, V)
+            if request._bias is not None:
+                lg = lg + request._bias
+            if request._counts is not None:
+                counts = request._counts[samples]
+                lg = lg - request.presence_penalty * (counts > 0) - request.frequency_penalty * counts
+            s = request.sampling
+            logprobs = sampling_logprobs(lg, s.temperature, s.top_k, s.top_p)
+            if s.temperature == 0:
+                tokens = logprobs.argmax(-1)
+            else:
+                tokens = torch.multinomial(logprobs.exp(), 1, generator=request._generator).squeeze(1)
+            sampled.append(tokens)
+            chosen.append(logprobs.gather(1, tokens[:, None]).squeeze(1))
+            if request.top_logprobs:
+                tops.append((request, samples, torch.topk(logprobs, min(request.top_logprobs, logprobs.size(-1)))))
+            start += len(samples)
+        sampled = torch.cat(sampled)  # (B,)
+        # One device-to-host transfer for the step (plus one per request that asked for top_logprobs).
+        tokens, token_logprobs = torch.stack([sampled.float(), torch.cat(chosen)]).tolist()
+        forced = []
+        for i, ((request, s), token, logprob) in enumerate(zip(self.live, tokens, token_logprobs)):
+            row = request.rows[s]
+            self.engine._step_row(row, int(token), logprob, request.max_tokens)
+            if row.completion.mask[-1] == 0:
+                forced.append((i, row.completion.tokens[-1]))
+            if request._counts is not None:
+                request._counts[s, row.completion.tokens[-1]] += 1
+        for request, samples, top in tops:
+            for s, values, indices in zip(samples, top.values.tolist(), top.indices.tolist()):
+                sampled_here = request.rows[s].completion.mask[-1] == 1
+                request.top[s].append([(t, v) for t, v in zip(indices, values) if v > float("-inf")]
+                                      if sampled_here else [])
+        self.next_ids = sampled[:, None]  # (B, 1); forced tool tokens replace what those rows sampled
+        if forced:
+            index, values = zip(*forced)
+            self.next_ids = self.next_ids.index_put((torch.tensor(index, device=self.device),),
+                                                    torch.tensor(values, device=self.device)[:, None])
+        self._drop_finished()
+
+    def _runs(self):
+        """(request, [sample, ...]) for each request's adjacent live rows, in row order."""
+        runs = []
+        for request, s in self.live:
+            if runs and runs[-1][0] is request:
+                runs[-1][1].append(s)
+            else:
+                runs.append((request, [s]))
+        return runs
+
+    def _cached(self, request, s):
+        """Tokens row (request, s) holds in the cache: its prompt and every generated token but the last."""
+        return len(request.prompt) + max(len(request.rows[s].completion.tokens) - 1, 0)
+
+    def _drop_finished(self):
+        keep = [i for i, (request, s) in enumerate(self.live) if request.rows[s].completion.finish is None]
+        if len(keep) == len(self.live):
+            return
+        self.live = [self.live[i] for i in keep]
+        if not keep:
+            self.cache = self.next_ids = None
+            return
+        index = torch.tensor(keep, device=self.device)
+        c = self.cache
+        for layer in range(len(c.keys)):
+            c.keys[layer], c.values[layer] = c.keys[layer][index], c.values[layer][index]
+        c.lengths, self.next_ids = c.lengths[index], self.next_ids[index]
+        if c.padding is not None:
+            # No padding left when every remaining row reaches back to slot 0: the unmasked (fused) path is exact.
+            full = all(self._cached(r, s) == c.filled for r, s in self.live)
+            c.padding = None if full else c.padding[index]
+
+    def _join(self, requests, prefill, lengths):
+        """Copy the prefilled rows (slots 0 .. length - 1 of prefill, num_samples copies each) after the live rows."""
+        old, n_old = self.cache, len(self.live)
+        # the live rows already hold their last token: this step's forward fed it
+        old_lengths = [len(r.prompt) + len(r.rows[s].completion.tokens) for r, s in self.live]
+        new_lengths = [length for r, length in zip(requests, lengths) for _ in range(r.num_samples)]
+        all_lengths = old_lengths + new_lengths
+        filled = max(all_lengths)
+        # every row writes one slot per step, and a row with k tokens left needs at most k - 1 more forwards
+        remaining = [r.max_tokens - len(r.rows[s].completion.tokens) for r, s in self.live]
+        max_len = filled + max(remaining + [r.max_tokens for r in requests])
+        cache = KVCache(len(all_lengths), max_len, self.model.config.n_layer, self.device)
+        cache.lengths = torch.tensor(all_lengths, device=self.device)
+        cache.filled = filled
+        if any(length != filled for length in all_lengths):
+            first_slot = filled - cache.lengths  # (B,)
+            cache.padding = (torch.arange(max_len, device=self.device) >= first_slot[:, None])[:, None, None, :]
+        for layer in range(len(prefill.keys)):
+            for name in ("keys", "values"):
+                new = getattr(prefill, name)[layer]  # (P, T, n_kv_head, head_dim)
+                store = new.new_zeros(len(all_lengths), max_len, *new.shape[2:])
+                if old is not None:  # the live rows' tokens all lie in their last `width` slots
+                    width = min(old.filled, filled)
+                    store[:n_old, filled - width:filled] = getattr(old, name)[layer][:, old.filled - width:old.filled]
+                row = n_old
+                for i, (r, length) in enumerate(zip(requests, lengths)):
+                    store[row:row + r.num_samples, filled - length:filled] = new[i:i + 1, :length]
+                    row += r.num_samples
+                getattr(cache, name)[layer] = store
+        self.cache = cache
+        self.live += [(r, s) for r in requests for s in range(r.num_samples)]
 
 
 if __name__ == "__main__":
