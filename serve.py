@@ -177,7 +177,7 @@ def read_messages(messages):
                            "messages")
         extra = sorted(k for k, v in m.items() if k not in MESSAGE_FIELDS and v not in (None, [], ""))
         if m.get("role") == "tool" or extra:
-            what = f"has {extra[0]!r}" if extra else "has role 'tool'"
+            what = "has role 'tool'" if m.get("role") == "tool" else f"has {extra[0]!r}"
             raise ApiError(400, f"message {i} {what}, which this server does not support: {NO_TOOLS}", "messages")
         role, content = ROLES.get(m.get("role"), m.get("role")), m.get("content")
         if role == "assistant" and m.get("content_parts") is not None:
