@@ -847,24 +847,41 @@ PAGE = """<!doctype html>
   .assistant .tool { display: inline-block; font-family: ui-monospace, monospace; background: #f3f3f3;
                      border: 1px solid #ccc; border-radius: .3em; padding: 0 .4em; margin: .1em 0; }
   .tool .label { color: #777; font-size: .8em; margin-right: .4em; }
+  .busy .text::after { content: "\\25CF"; color: #999; margin-left: .2em; animation: blink 1s infinite; }
+  @keyframes blink { 50% { opacity: 0; } }
+  .incomplete .text, .incomplete.user { opacity: .55; }
+  .note { display: block; margin-top: .3em; font-size: .85em; color: #a60; white-space: normal; }
   .error { color: #b00; }
   form { display: flex; gap: .5em; padding: .8em 1em; border-top: 1px solid #ddd; }
   textarea { flex: 1; font: inherit; height: 3em; }
+  [hidden] { display: none !important; }
 </style></head>
 <body>
 <header><h1>nanopost chat</h1>
+  <label id="keybox" hidden>API key <input id="key" type="password" size="12" autocomplete="off"></label>
   <label>temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="0.6" size="3"></label>
-  <button id="new">New chat</button></header>
+  <button id="new" type="button">New chat</button></header>
 <div id="log"></div>
 <form id="form"><textarea id="input" placeholder="Message (Enter sends, Shift+Enter for a new line)"></textarea>
-  <button id="send">Send</button></form>
+  <button id="send">Send</button><button id="stop" type="button" hidden>Stop</button></form>
 <script>
 "use strict";
-let messages = [];  // the conversation sent with every request; assistant turns keep their tool calls as parts
-let busy = false;
+// The conversation sent with every request: only finished exchanges (finish_reason "stop"). A reply cut by the
+// token limit, stopped, interrupted or failed stays on screen, marked, and leaves the conversation with its user
+// turn, whose text goes back into the input box.
+let messages = [];
+let controller = null;  // the running request's AbortController; null when idle
 const log = document.getElementById("log"), input = document.getElementById("input");
+const sendButton = document.getElementById("send"), stopButton = document.getElementById("stop");
+const keyInput = document.getElementById("key"), keyBox = document.getElementById("keybox");
 const MARKS = {"<|python_start|>": "python", "<|python_end|>": "text",
                "<|output_start|>": "python_output", "<|output_end|>": "text"};
+const NOTES = {length: "Cut off: the reply reached the token limit. It is not part of the conversation.",
+               stopped: "Stopped. This reply is not part of the conversation.",
+               interrupted: "Interrupted: the connection to the server broke off. This reply is not part of the conversation."};
+keyInput.value = sessionStorage.getItem("nanopost-key") || "";
+keyBox.hidden = !keyInput.value;
+keyInput.addEventListener("change", () => sessionStorage.setItem("nanopost-key", keyInput.value));
 
 // raw reply text -> content parts, split at the tool tokens (as engine.assistant_content splits token ids)
 function toParts(raw) {
@@ -878,13 +895,14 @@ function toParts(raw) {
 
 function render(div, parts) {  // text as text; a calculator call as one box: "calculator 17+25 → 42"
   div.textContent = "";
+  const body = document.createElement("span"); body.className = "text"; div.append(body);
   let box = null;
   for (const part of parts) {
-    if (part.type === "text") { div.append(part.text); box = null; continue; }
+    if (part.type === "text") { body.append(part.text); box = null; continue; }
     if (part.type === "python" || !box) {
       box = document.createElement("span"); box.className = "tool";
       const label = document.createElement("span"); label.className = "label"; label.textContent = "calculator";
-      box.append(label); div.append(box);
+      box.append(label); body.append(box);
     }
     box.append(part.type === "python" ? part.text : " → " + part.text);
   }
@@ -897,46 +915,98 @@ function addMessage(role, text) {
   return div;
 }
 
+function note(div, text) {
+  const span = document.createElement("span"); span.className = "note"; span.textContent = text; div.append(span);
+}
+
+function setBusy(busy) {
+  sendButton.disabled = busy; stopButton.hidden = !busy;
+}
+
+class ServerError extends Error {
+  constructor(error, status) { super(error.message); this.code = error.code; this.status = status; }
+}
+
+// Reads the server-sent events of a reply into div; returns the raw text and the finish_reason ("stop" or
+// "length"), or null when the stream ended without one (the server went away).
+async function readStream(response, div) {
+  const reader = response.body.getReader(), decoder = new TextDecoder();
+  let buffer = "", raw = "", finish = null;
+  for (;;) {
+    const {done, value} = await reader.read();
+    if (done) return {raw, finish};
+    buffer += decoder.decode(value, {stream: true});
+    const events = buffer.split("\\n\\n"); buffer = events.pop();
+    for (const event of events) {
+      const data = event.replace(/^data: /, "");
+      if (data === "[DONE]") continue;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new ServerError(chunk.error, 0);
+      const choice = chunk.choices[0];
+      raw += choice.delta.content || "";
+      finish = choice.finish_reason || finish;
+      render(div, toParts(raw)); log.scrollTop = log.scrollHeight;
+    }
+  }
+}
+
 async function send() {
   const text = input.value.trim();
-  if (!text || busy) return;
-  busy = true; input.value = "";
+  if (!text || controller) return;
+  controller = new AbortController(); setBusy(true);
+  input.value = "";
   messages.push({role: "user", content: text});
-  addMessage("user", text);
-  const div = addMessage("assistant", "");
-  let raw = "";
+  const userDiv = addMessage("user", text);
+  const div = addMessage("assistant busy", "");
+  render(div, []);
+  let outcome = "stop", error = null, raw = "";
   try {
-    const response = await fetch("/v1/chat/completions", {method: "POST", headers: {"Content-Type": "application/json"},
+    const headers = {"Content-Type": "application/json"};
+    if (keyInput.value) headers["Authorization"] = "Bearer " + keyInput.value;
+    const response = await fetch("/v1/chat/completions", {method: "POST", headers, signal: controller.signal,
       body: JSON.stringify({messages, stream: true, raw_tokens: true,
                             temperature: parseFloat(document.getElementById("temperature").value)})});
-    if (!response.ok) throw new Error((await response.json()).error.message);
-    const reader = response.body.getReader(), decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const {done, value} = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, {stream: true});
-      const events = buffer.split("\\n\\n"); buffer = events.pop();
-      for (const event of events) {
-        const data = event.replace(/^data: /, "");
-        if (data === "[DONE]") continue;
-        const chunk = JSON.parse(data);
-        if (chunk.error) throw new Error(chunk.error.message);
-        raw += chunk.choices[0].delta.content || "";
-        render(div, toParts(raw)); log.scrollTop = log.scrollHeight;
-      }
-    }
-    messages.push({role: "assistant", content: toParts(raw).length ? toParts(raw) : [{type: "text", text: ""}]});
+    if (!response.ok) throw new ServerError((await response.json()).error, response.status);
+    const result = await readStream(response, div);
+    raw = result.raw;
+    outcome = result.finish || "interrupted";
   } catch (e) {
-    messages.pop();  // the user turn got no answer: drop it, so that the conversation still alternates
-    addMessage("error", "error: " + e.message);
+    if (e.name === "AbortError") outcome = "stopped";
+    else if (e instanceof ServerError) { outcome = "error"; error = e; }
+    else outcome = "interrupted";  // the stream broke: a network error, or a server killed mid-reply
   }
-  busy = false;
+  div.classList.remove("busy");
+  if (outcome === "stop") {
+    messages.push({role: "assistant", content: toParts(raw).length ? toParts(raw) : [{type: "text", text: ""}]});
+  } else {
+    messages.pop();  // the user turn got no finished answer: it leaves the conversation, its text goes back
+    userDiv.classList.add("incomplete"); div.classList.add("incomplete");
+    if (!input.value) input.value = text;
+    if (outcome !== "error") note(div, NOTES[outcome]);
+    else if (raw) note(div, "Interrupted: " + error.message + ". This reply is not part of the conversation.");
+    else { div.remove(); showError(error); }
+  }
+  controller = null; setBusy(false); input.focus();
+}
+
+function showError(e) {
+  let text = "error: " + e.message;
+  if (e.code === "context_length_exceeded")
+    text = "This conversation no longer fits the model's context. Press New chat to start over.";
+  else if (e.status === 401) {
+    keyBox.hidden = false; keyInput.focus();
+    text = "This server needs an API key: enter it in the API key field above, then send again.";
+  }
+  addMessage("error", text);
 }
 
 document.getElementById("form").addEventListener("submit", e => { e.preventDefault(); send(); });
 input.addEventListener("keydown", e => { if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); } });
-document.getElementById("new").addEventListener("click", () => { messages = []; log.textContent = ""; input.focus(); });
+stopButton.addEventListener("click", () => { if (controller) controller.abort(); });
+document.getElementById("new").addEventListener("click", () => {
+  if (controller) controller.abort();
+  messages = []; log.textContent = ""; input.focus();
+});
 </script></body></html>
 """
 
