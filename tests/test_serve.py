@@ -248,10 +248,10 @@ def test_disconnected_client_frees_its_row_and_the_next_request_is_served(server
 
 
 def test_a_crash_in_generation_answers_500_and_the_server_stays_up(server, model, monkeypatch):
-    def broken_forward(*args, **kwargs):
+    def broken_hidden(*args, **kwargs):
         raise RuntimeError("simulated failure")
 
-    monkeypatch.setattr(model, "forward", broken_forward)
+    monkeypatch.setattr(model, "hidden", broken_hidden)  # the prefill and every decoding step go through it
     status, _, text = request(server, "POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 5})
     assert status == 500 and "simulated failure" in json.loads(text)["error"]["message"]
     monkeypatch.undo()
@@ -561,19 +561,25 @@ def test_a_20mb_body_is_answered_413_to_urllib(server):
     assert error.value.code == 413 and "at most 4096" in json.loads(error.value.read())["error"]["message"]
 
 
-def test_a_half_closed_client_still_gets_its_reply(server, tokenizer):
-    never_stop = {str(tokenizer.token_id("<|assistant_end|>")): -100, str(tokenizer.bos_id): -100}
-    for streamed in (False, True):  # long enough (CAP tokens) for the server to notice the half-close
-        client = send_only(server, {"messages": USER, "max_tokens": CAP, "stream": streamed, "temperature": 0,
-                                    "logit_bias": never_stop})
-        client.shutdown(socket.SHUT_WR)  # sent everything; still reading
-        received = b""
-        while chunk := client.recv(65536):
-            received += chunk
-        client.close()
-        # a non-streamed reply is preceded by the interim 100 that told a closed client from a half-closed one
-        assert received.startswith(b"HTTP/1.1 200" if streamed else b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200")
-        assert (b"[DONE]" in received) == streamed and b'"finish_reason": "length"' in received
+def test_a_half_closed_client_still_gets_its_reply(model, tokenizer):
+    server = start(Engine(model, tokenizer), start_worker=False)  # requests wait: the server sees the half-close
+    try:
+        clients = []
+        for streamed in (False, True):
+            clients.append(send_only(server, {"messages": USER, "max_tokens": 5, "stream": streamed}))
+            clients[-1].shutdown(socket.SHUT_WR)  # sent everything; still reading
+        time.sleep(0.5)  # the handlers check their clients every 0.1 s
+        server.worker.thread.start()
+        for streamed, client in zip((False, True), clients):
+            received = b""
+            while chunk := client.recv(65536):
+                received += chunk
+            client.close()
+            # a non-streamed reply is preceded by the interim 100 that told a closed client from a half-closed one
+            assert received.startswith(b"HTTP/1.1 200" if streamed else b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200")
+            assert (b"[DONE]" in received) == streamed and b'"finish_reason"' in received
+    finally:
+        stop(server)
 
 
 def test_shutdown_mid_stream_ends_with_an_error_event(model, tokenizer):
