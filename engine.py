@@ -9,8 +9,9 @@ num_samples rows; then every row of every prompt decodes together, one token per
 position. A row stops at <|assistant_end|> (or <|bos|>) or after max_tokens tokens. When a row closes a calculator
 call <|python_start|>expr<|python_end|>, the engine evaluates expr and forces <|output_start|>result<|output_end|>
 into that row, one token per step, with mask 0 (the model never chose them, so RL must not train on them).
-Engine.generate_steps is the same loop, step by step, with one Sampling (settings and seed) per prompt: serve.py
-decodes concurrent requests together with it.
+Engine.generate_steps is the same loop, step by step, with one Sampling (settings and seed) per prompt, for a fixed
+set of prompts. DecodeBatch (the end of this file) lets requests join and leave between steps (continuous batching):
+serve.py decodes concurrent requests with it.
 """
 
 import argparse
@@ -239,7 +240,7 @@ class Completion:
     mask: list = field(default_factory=list)  # 1: sampled by the model, 0: forced tool output
     logprobs: list = field(default_factory=list)  # sampled: log-prob under sampling_logprobs(...); forced: 0.0
     finish: str | None = None  # "stop" (emitted a stop token) or "length" (hit max_tokens); None while generating
-    # (a caller of Engine.generate_steps may also set it, to end a row early)
+    # (a caller of Engine.generate_steps or DecodeBatch may also set it, to end a row early)
 
 
 @dataclass
@@ -577,6 +578,9 @@ class Request:
     rows: list = field(default_factory=list)  # its _Rows, by sample, filled in by DecodeBatch.add
     top: list = field(default_factory=list)  # per sample, per token: [(token, log-prob)], most likely first;
     # empty for a forced tool-output token (the model did not choose it)
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)  # set by DecodeBatch.add
+    _bias: torch.Tensor | None = field(default=None, init=False, repr=False)  # (V,) logit_bias; None: none
+    _counts: torch.Tensor | None = field(default=None, init=False, repr=False)  # (num_samples, V); None: no penalty
 
     @property
     def completions(self):
