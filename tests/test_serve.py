@@ -759,3 +759,60 @@ def test_reply_parts_inverts_readable_reply(tokenizer):
     assert reply_parts(readable_reply(tokenizer, tokens)) == assistant_content(tokenizer, tokens)
     assert reply_parts(tokenizer.decode(tokens[:-1])) == assistant_content(tokenizer, tokens)
     assert reply_parts("[calculator: 1+") == [{"type": "text", "text": "[calculator: 1+"}]  # unfinished: text
+
+
+# -----------------------------------------------------------------------------
+# The official client (where the `openai` package is installed; it is not a dependency)
+
+
+def test_the_official_openai_client(server, tokenizer):
+    openai = pytest.importorskip("openai")
+    import asyncio
+
+    base = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    client = openai.OpenAI(base_url=base, api_key="none", timeout=TIMEOUT, max_retries=0)
+    reply = client.chat.completions.create(model="nanopost", messages=USER, max_tokens=12, seed=3, logprobs=True,
+                                           top_logprobs=2)
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length") and len(choice.logprobs.content) == reply.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="nanopost", messages=USER, max_tokens=12, seed=3,
+                                                 stream=True, stop=["zz"]))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] in (["stop"], ["length"])
+    # messages.append(reply): the whole message object goes back, and is read back into the model's format
+    follow = client.chat.completions.create(model="nanopost", messages=[*USER, choice.message, *USER], max_tokens=2)
+    parts = {"role": "assistant", "content": choice.message.model_extra["content_parts"]}
+    exact = client.chat.completions.create(model="nanopost", messages=[*USER, parts, *USER], max_tokens=2)
+    assert follow.usage.prompt_tokens == exact.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
+        client.chat.completions.create(model="nanopost", messages=USER, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    with pytest.raises(openai.BadRequestError, match="is not served here"):
+        client.chat.completions.create(model="gpt-4o", messages=USER)
+
+    async def many():
+        async with openai.AsyncOpenAI(base_url=base, api_key="none", timeout=TIMEOUT, max_retries=0) as aclient:
+            replies = await asyncio.gather(*[aclient.chat.completions.create(
+                model="nanopost", messages=[{"role": "user", "content": f"What is {i}+1?"}], max_tokens=8, seed=i)
+                for i in range(16)])
+        return [r.choices[0].finish_reason for r in replies]
+
+    assert set(asyncio.run(many())) <= {"stop", "length"}
+
+
+def test_the_official_client_sees_an_interrupted_stream_as_an_error(model, tokenizer):
+    openai = pytest.importorskip("openai")
+    server = start(Engine(model, tokenizer))
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="none",
+                               timeout=TIMEOUT, max_retries=0)
+        stream = client.chat.completions.create(
+            model="nanopost", messages=USER, max_tokens=100, temperature=0, stream=True,
+            logit_bias={str(tokenizer.token_id("<|assistant_end|>")): -100, str(tokenizer.bos_id): -100})
+        next(stream)
+        server.worker.stop()
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for chunk in stream:
+                assert chunk.choices[0].finish_reason in (None, "length")
+    finally:
+        server.shutdown()
+        server.server_close()
