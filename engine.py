@@ -592,9 +592,11 @@ class DecodeBatch:
     The rows of many requests decoding together, one token per step, while requests join and leave between steps:
     add() prefills the new prompts together (right-padded in one forward; their num_samples rows share it) and their
     rows join the batch at the next step(); a row whose Completion has finished (a stop token, its request's
-    max_tokens, or the caller setting finish) leaves at once, before the next forward. The cache keeps KVCache's
-    right-aligned layout: leaving rows are dropped with an index select, joining rows are copied in right-aligned
-    next to the running ones, which also drops the slots no remaining row uses.
+    max_tokens, or the caller setting finish) is not stepped again and leaves the cache before the next forward, or,
+    when rows join at that step, in the same rebuild of the cache right after it (each rebuild copies every row's
+    keys and values: one instead of two is worth one forward of the finished rows). The cache keeps KVCache's
+    right-aligned layout: leaving rows alone are dropped with an index select; joining rows are copied in
+    right-aligned next to the remaining ones, which also drops the slots no remaining row uses.
     """
 
     def __init__(self, engine):
@@ -607,8 +609,9 @@ class DecodeBatch:
 
     @property
     def rows(self):
-        """Rows decoding now or joining at the next step."""
-        return len(self.live) + sum(r.num_samples for requests, *_ in self.joining for r in requests)
+        """Unfinished rows: decoding now or joining at the next step."""
+        decoding = sum(r.rows[s].completion.finish is None for r, s in self.live)
+        return decoding + sum(r.num_samples for requests, *_ in self.joining for r in requests)
 
     @torch.inference_mode()
     def add(self, requests):
@@ -651,18 +654,23 @@ class DecodeBatch:
     def step(self):
         """
         Decode one token for every unfinished row (joining rows included); rows update their Completions (and
-        Request.top) in place. Rows finished by the caller since the last step leave first.
+        Request.top) in place. Finished rows leave first, or with the joining rows' rebuild after the forward.
         """
-        self._drop_finished()
-        logits = [self.model(self.next_ids, kv_cache=self.cache)[:, -1]] if self.live else []  # (B, V)
-        for requests, cache, lengths, prompt_logits in self.joining:
-            self._join(requests, cache, lengths)
-            logits.append(prompt_logits.repeat_interleave(torch.tensor([r.num_samples for r in requests],
-                                                                       device=self.device), dim=0))
-        self.joining = []
+        if not self.joining:
+            self._drop_finished()
+        keep = [i for i, (r, s) in enumerate(self.live) if r.rows[s].completion.finish is None]
+        logits = self.model(self.next_ids, kv_cache=self.cache)[:, -1] if keep else None  # (B, V)
+        if self.joining:
+            logits = [logits[keep]] if keep else []
+            for requests, cache, lengths, prompt_logits in self.joining:
+                self._join(requests, cache, lengths, keep)
+                keep = None  # the rows of this rebuild are all unfinished
+                logits.append(prompt_logits.repeat_interleave(torch.tensor([r.num_samples for r in requests],
+                                                                           device=self.device), dim=0))
+            self.joining = []
+            logits = torch.cat(logits)  # (B, V)
         if not self.live:
             return
-        logits = torch.cat(logits)  # (B, V)
 
         sampled, chosen, tops, start = [], [], [], 0
         for request, samples in self._runs():
@@ -704,7 +712,6 @@ class DecodeBatch:
             index, values = zip(*forced)
             self.next_ids = self.next_ids.index_put((torch.tensor(index, device=self.device),),
                                                     torch.tensor(values, device=self.device)[:, None])
-        self._drop_finished()
 
     def _runs(self):
         """(request, [sample, ...]) for each request's adjacent live rows, in row order."""
@@ -738,9 +745,14 @@ class DecodeBatch:
             full = all(self._cached(r, s) == c.filled for r, s in self.live)
             c.padding = None if full else c.padding[index]
 
-    def _join(self, requests, prefill, lengths):
-        """Copy the prefilled rows (slots 0 .. length - 1 of prefill, num_samples copies each) after the live rows."""
-        old, n_old = self.cache, len(self.live)
+    def _join(self, requests, prefill, lengths, keep=None):
+        """
+        A new cache of the live rows listed in `keep` (None: all) followed by the prefilled rows (slots
+        0 .. length - 1 of prefill, num_samples copies each).
+        """
+        keep = list(range(len(self.live))) if keep is None else keep
+        old, n_old = self.cache, len(keep)
+        self.live = [self.live[i] for i in keep]
         # the live rows already hold their last token: this step's forward fed it
         old_lengths = [len(r.prompt) + len(r.rows[s].completion.tokens) for r, s in self.live]
         new_lengths = [length for r, length in zip(requests, lengths) for _ in range(r.num_samples)]
@@ -749,6 +761,7 @@ class DecodeBatch:
         # every row writes one slot per step, and a row with k tokens left needs at most k - 1 more forwards
         remaining = [r.max_tokens - len(r.rows[s].completion.tokens) for r, s in self.live]
         max_len = filled + max(remaining + [r.max_tokens for r in requests])
+        keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
         cache = KVCache(len(all_lengths), max_len, self.model.config.n_layer, self.device)
         cache.lengths = torch.tensor(all_lengths, device=self.device)
         cache.filled = filled
@@ -759,9 +772,10 @@ class DecodeBatch:
             for name in ("keys", "values"):
                 new = getattr(prefill, name)[layer]  # (P, T, n_kv_head, head_dim)
                 store = new.new_zeros(len(all_lengths), max_len, *new.shape[2:])
-                if old is not None:  # the live rows' tokens all lie in their last `width` slots
+                if n_old:  # the kept rows' tokens all lie in their last `width` slots
                     width = min(old.filled, filled)
-                    store[:n_old, filled - width:filled] = getattr(old, name)[layer][:, old.filled - width:old.filled]
+                    store[:n_old, filled - width:filled] = \
+                        getattr(old, name)[layer][keep_index, old.filled - width:old.filled]
                 row = n_old
                 for i, (r, length) in enumerate(zip(requests, lengths)):
                     store[row:row + r.num_samples, filled - length:filled] = new[i:i + 1, :length]
