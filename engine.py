@@ -589,28 +589,31 @@ class Request:
 
 class DecodeBatch:
     """
-    The rows of many requests decoding together, one token per step, while requests join and leave between steps:
-    add() prefills the new prompts together (right-padded in one forward; their num_samples rows share it) and their
-    rows join the batch at the next step(); a row whose Completion has finished (a stop token, its request's
-    max_tokens, or the caller setting finish) is not stepped again and leaves the cache before the next forward, or,
-    when rows join at that step, in the same rebuild of the cache right after it (each rebuild copies every row's
-    keys and values: one instead of two is worth one forward of the finished rows). The cache keeps KVCache's
-    right-aligned layout: leaving rows alone are dropped with an index select; joining rows are copied in
-    right-aligned next to the remaining ones, which also drops the slots no remaining row uses.
+    The rows of many requests decoding together, one token per step, while requests join and leave between steps
+    (continuous batching). add() prefills the new prompts together (right-padded in one forward; their num_samples
+    rows share it) and their rows join the batch at the next step(). A row whose Completion has finished (a stop
+    token, its request's max_tokens, or the caller setting finish) is not stepped again and frees its cache row,
+    which the next joining row reuses in place: only that row's prompt is written. A freed row still rides along in
+    the forward until it is reused (cheaper than moving every other row's keys and values to drop it); once more
+    rows are free than busy, the busy ones are packed together.
+    The cache keeps KVCache's right-aligned layout (every row writes slot `filled` each step). A joining prompt
+    longer than `filled`, more joining rows than free ones, or too few slots left for its max_tokens rebuilds the
+    cache: the busy rows and the new ones, right-aligned anew, which also drops the slots no row uses, with room for
+    twice the longest remaining budget so that later joins fit in place.
     """
 
     def __init__(self, engine):
         self.engine, self.model = engine, engine.model
         self.device = engine.model.lm_head.weight.device
-        self.live = []  # (request, sample) of each cache row, in row order; a request's rows stay adjacent
-        self.cache = None  # KVCache of the live rows: prompt + every generated token but the last
-        self.next_ids = None  # (B, 1) the last generated token of each live row: the next step's input
+        self.slots = []  # per cache row: its (request, sample), or None when free
+        self.cache = None  # KVCache of the rows: prompt + every generated token but the last
+        self.next_ids = None  # (B, 1) each row's last generated token: the next step's input
         self.joining = []  # (requests, their prefill KVCache, prompt lengths, last-token logits (P, V))
 
     @property
     def rows(self):
         """Unfinished rows: decoding now or joining at the next step."""
-        decoding = sum(r.rows[s].completion.finish is None for r, s in self.live)
+        decoding = sum(slot is not None and slot[0].rows[slot[1]].completion.finish is None for slot in self.slots)
         return decoding + sum(r.num_samples for requests, *_ in self.joining for r in requests)
 
     @torch.inference_mode()
@@ -641,40 +644,44 @@ class DecodeBatch:
                 r._generator.seed()
             else:
                 r._generator.manual_seed(r.sampling.seed)
-            r._bias = None
             if r.logit_bias:
                 r._bias = torch.zeros(vocab, device=self.device)
                 r._bias[torch.tensor(list(r.logit_bias), device=self.device)] = \
                     torch.tensor(list(r.logit_bias.values()), dtype=torch.float, device=self.device)
-            penalised = r.presence_penalty != 0 or r.frequency_penalty != 0
-            r._counts = torch.zeros(r.num_samples, vocab, device=self.device) if penalised else None
+            if r.presence_penalty != 0 or r.frequency_penalty != 0:
+                r._counts = torch.zeros(r.num_samples, vocab, device=self.device)
         self.joining.append((requests, cache, lengths, logits))
 
     @torch.inference_mode()
     def step(self):
         """
         Decode one token for every unfinished row (joining rows included); rows update their Completions (and
-        Request.top) in place. Finished rows leave first, or with the joining rows' rebuild after the forward.
+        Request.top) in place.
         """
-        if not self.joining:
-            self._drop_finished()
-        keep = [i for i, (r, s) in enumerate(self.live) if r.rows[s].completion.finish is None]
-        logits = self.model(self.next_ids, kv_cache=self.cache)[:, -1] if keep else None  # (B, V)
-        if self.joining:
-            logits = [logits[keep]] if keep else []
-            for requests, cache, lengths, prompt_logits in self.joining:
-                self._join(requests, cache, lengths, keep)
-                keep = None  # the rows of this rebuild are all unfinished
-                logits.append(prompt_logits.repeat_interleave(torch.tensor([r.num_samples for r in requests],
-                                                                           device=self.device), dim=0))
-            self.joining = []
-            logits = torch.cat(logits)  # (B, V)
-        if not self.live:
+        self.slots = [slot if slot is not None and slot[0].rows[slot[1]].completion.finish is None else None
+                      for slot in self.slots]
+        busy = [i for i, slot in enumerate(self.slots) if slot is not None]
+        if not busy:
+            self.slots, self.cache, self.next_ids = [], None, None
+        elif 2 * len(busy) < len(self.slots):
+            self._pack(busy)
+        logits = self.model(self.next_ids, kv_cache=self.cache)[:, -1] if self.slots else None  # (B, V)
+        for requests, prefill, lengths, prompt_logits in self.joining:
+            logits = self._join(requests, prefill, lengths, prompt_logits, logits)
+        self.joining = []
+        if not self.slots:
             return
 
-        sampled, chosen, tops, start = [], [], [], 0
-        for request, samples in self._runs():
-            lg = logits[start:start + len(samples)]  # (rows of this request, V)
+        requests = {}  # each request's (sample, row) in the cache, sample order: its generator's draw order
+        for row, slot in enumerate(self.slots):
+            if slot is not None:
+                requests.setdefault(id(slot[0]), (slot[0], []))[1].append((slot[1], row))
+        sampled, chosen, order, tops = [], [], [], []
+        for request, rows in requests.values():
+            rows.sort()
+            samples = [s for s, _ in rows]
+            index = torch.tensor([row for _, row in rows], device=self.device)
+            lg = logits[index]  # (rows of this request, V)
             if request._bias is not None:
                 lg = lg + request._bias
             if request._counts is not None:
@@ -688,101 +695,116 @@ class DecodeBatch:
                 tokens = torch.multinomial(logprobs.exp(), 1, generator=request._generator).squeeze(1)
             sampled.append(tokens)
             chosen.append(logprobs.gather(1, tokens[:, None]).squeeze(1))
+            order.append(index)
             if request.top_logprobs:
                 tops.append((request, samples, torch.topk(logprobs, min(request.top_logprobs, logprobs.size(-1)))))
-            start += len(samples)
-        sampled = torch.cat(sampled)  # (B,)
+        order = torch.cat(order)
+        # Free rows feed token 0: their outputs are never read.
+        step_ids = torch.zeros(len(self.slots), dtype=torch.long, device=self.device).index_put((order,),
+                                                                                               torch.cat(sampled))
+        step_logprobs = torch.zeros(len(self.slots), device=self.device).index_put((order,), torch.cat(chosen))
         # One device-to-host transfer for the step (plus one per request that asked for top_logprobs).
-        tokens, token_logprobs = torch.stack([sampled.float(), torch.cat(chosen)]).tolist()
+        tokens, token_logprobs = torch.stack([step_ids.float(), step_logprobs]).tolist()
         forced = []
-        for i, ((request, s), token, logprob) in enumerate(zip(self.live, tokens, token_logprobs)):
-            row = request.rows[s]
-            self.engine._step_row(row, int(token), logprob, request.max_tokens)
-            if row.completion.mask[-1] == 0:
-                forced.append((i, row.completion.tokens[-1]))
+        for row, (slot, token, logprob) in enumerate(zip(self.slots, tokens, token_logprobs)):
+            if slot is None:
+                continue
+            request, s = slot
+            completion = request.rows[s].completion
+            self.engine._step_row(request.rows[s], int(token), logprob, request.max_tokens)
+            if completion.mask[-1] == 0:
+                forced.append((row, completion.tokens[-1]))
             if request._counts is not None:
-                request._counts[s, row.completion.tokens[-1]] += 1
+                request._counts[s, completion.tokens[-1]] += 1
         for request, samples, top in tops:
             for s, values, indices in zip(samples, top.values.tolist(), top.indices.tolist()):
                 sampled_here = request.rows[s].completion.mask[-1] == 1
                 request.top[s].append([(t, v) for t, v in zip(indices, values) if v > float("-inf")]
                                       if sampled_here else [])
-        self.next_ids = sampled[:, None]  # (B, 1); forced tool tokens replace what those rows sampled
+        self.next_ids = step_ids[:, None]  # (B, 1); forced tool tokens replace what those rows sampled
         if forced:
             index, values = zip(*forced)
             self.next_ids = self.next_ids.index_put((torch.tensor(index, device=self.device),),
                                                     torch.tensor(values, device=self.device)[:, None])
 
-    def _runs(self):
-        """(request, [sample, ...]) for each request's adjacent live rows, in row order."""
-        runs = []
-        for request, s in self.live:
-            if runs and runs[-1][0] is request:
-                runs[-1][1].append(s)
-            else:
-                runs.append((request, [s]))
-        return runs
-
     def _cached(self, request, s):
-        """Tokens row (request, s) holds in the cache: its prompt and every generated token but the last."""
-        return len(request.prompt) + max(len(request.rows[s].completion.tokens) - 1, 0)
+        """Tokens row (request, s) holds in the cache before a step: its prompt and every generated token but the
+        last (a row is stepped once when it joins, before any forward)."""
+        return len(request.prompt) + len(request.rows[s].completion.tokens) - 1
 
-    def _drop_finished(self):
-        keep = [i for i, (request, s) in enumerate(self.live) if request.rows[s].completion.finish is None]
-        if len(keep) == len(self.live):
-            return
-        self.live = [self.live[i] for i in keep]
-        if not keep:
-            self.cache = self.next_ids = None
-            return
-        index = torch.tensor(keep, device=self.device)
+    def _pack(self, busy):
+        """Keep only the busy rows (an index select of every layer's keys and values)."""
+        index = torch.tensor(busy, device=self.device)
         c = self.cache
         for layer in range(len(c.keys)):
             c.keys[layer], c.values[layer] = c.keys[layer][index], c.values[layer][index]
         c.lengths, self.next_ids = c.lengths[index], self.next_ids[index]
-        if c.padding is not None:
-            # No padding left when every remaining row reaches back to slot 0: the unmasked (fused) path is exact.
-            full = all(self._cached(r, s) == c.filled for r, s in self.live)
-            c.padding = None if full else c.padding[index]
+        self.slots = [self.slots[i] for i in busy]
+        # No padding left when every busy row reaches back to slot 0: the unmasked (fused) path is exact.
+        full = all(self._cached(r, s) == c.filled for r, s in self.slots)
+        c.padding = None if full else c.padding[index]
 
-    def _join(self, requests, prefill, lengths, keep=None):
+    def _join(self, requests, prefill, lengths, prompt_logits, logits):
         """
-        A new cache of the live rows listed in `keep` (None: all) followed by the prefilled rows (slots
-        0 .. length - 1 of prefill, num_samples copies each).
+        Put the prefilled rows (slots 0 .. length - 1 of prefill, num_samples copies each) into free rows of the
+        cache, or rebuild it; returns the step's logits (B, V) with the new rows' next-token logits in their rows.
         """
-        keep = list(range(len(self.live))) if keep is None else keep
-        old, n_old = self.cache, len(keep)
-        self.live = [self.live[i] for i in keep]
-        # the live rows already hold their last token: this step's forward fed it
-        old_lengths = [len(r.prompt) + len(r.rows[s].completion.tokens) for r, s in self.live]
-        new_lengths = [length for r, length in zip(requests, lengths) for _ in range(r.num_samples)]
-        all_lengths = old_lengths + new_lengths
+        new = [(r, s, length, j) for j, (r, length) in enumerate(zip(requests, lengths)) for s in range(r.num_samples)]
+        source = torch.tensor([j for *_, j in new], device=self.device)
+        free = [i for i, slot in enumerate(self.slots) if slot is None]
+        c = self.cache
+        if (c is None or len(new) > len(free) or max(lengths) > c.filled
+                or c.filled + max(r.max_tokens for r in requests) > c.max_len):
+            return self._rebuild(new, prefill, prompt_logits[source], logits)
+        rows = free[:len(new)]
+        for layer in range(len(c.keys)):
+            for name in ("keys", "values"):
+                store, prompt = getattr(c, name)[layer], getattr(prefill, name)[layer]
+                for row, (_, _, length, j) in zip(rows, new):
+                    store[row, c.filled - length:c.filled] = prompt[j, :length]
+        index = torch.tensor(rows, device=self.device)
+        c.lengths[index] = torch.tensor([length for _, _, length, _ in new], device=self.device)
+        slots = torch.arange(c.max_len, device=self.device)
+        if c.padding is None:  # until now every row held `filled` tokens
+            c.padding = (slots >= (c.filled - c.lengths)[:, None])[:, None, None, :]
+        else:
+            c.padding[index] = (slots >= (c.filled - c.lengths[index])[:, None])[:, None, None, :]
+        for row, (r, s, _, _) in zip(rows, new):
+            self.slots[row] = (r, s)
+        return logits.index_put((index,), prompt_logits[source])
+
+    def _rebuild(self, new, prefill, new_logits, logits):
+        """A new cache: the busy rows, then the new ones, right-aligned; returns the logits in the new row order."""
+        busy = [i for i, slot in enumerate(self.slots) if slot is not None]
+        old, old_slots = self.cache, [self.slots[i] for i in busy]
+        # a busy row holds its prompt and all its tokens: this step's forward fed the last one (or it has none yet)
+        old_lengths = [len(r.prompt) + len(r.rows[s].completion.tokens) for r, s in old_slots]
+        all_lengths = old_lengths + [length for _, _, length, _ in new]
         filled = max(all_lengths)
-        # every row writes one slot per step, and a row with k tokens left needs at most k - 1 more forwards
-        remaining = [r.max_tokens - len(r.rows[s].completion.tokens) for r, s in self.live]
-        max_len = filled + max(remaining + [r.max_tokens for r in requests])
-        keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        # a row with k tokens left needs at most k - 1 more forwards; twice that leaves room for later joins
+        remaining = [r.max_tokens - len(r.rows[s].completion.tokens) for r, s in old_slots]
+        max_len = filled + 2 * max(remaining + [r.max_tokens for r, *_ in new])
         cache = KVCache(len(all_lengths), max_len, self.model.config.n_layer, self.device)
         cache.lengths = torch.tensor(all_lengths, device=self.device)
         cache.filled = filled
         if any(length != filled for length in all_lengths):
             first_slot = filled - cache.lengths  # (B,)
             cache.padding = (torch.arange(max_len, device=self.device) >= first_slot[:, None])[:, None, None, :]
+        index = torch.tensor(busy, dtype=torch.long, device=self.device)
         for layer in range(len(prefill.keys)):
             for name in ("keys", "values"):
-                new = getattr(prefill, name)[layer]  # (P, T, n_kv_head, head_dim)
-                store = new.new_zeros(len(all_lengths), max_len, *new.shape[2:])
-                if n_old:  # the kept rows' tokens all lie in their last `width` slots
+                prompt = getattr(prefill, name)[layer]  # (P, T, n_kv_head, head_dim)
+                store = prompt.new_zeros(len(all_lengths), max_len, *prompt.shape[2:])
+                if busy:  # the busy rows' tokens all lie in their last `width` slots
                     width = min(old.filled, filled)
-                    store[:n_old, filled - width:filled] = \
-                        getattr(old, name)[layer][keep_index, old.filled - width:old.filled]
-                row = n_old
-                for i, (r, length) in enumerate(zip(requests, lengths)):
-                    store[row:row + r.num_samples, filled - length:filled] = new[i:i + 1, :length]
-                    row += r.num_samples
+                    store[:len(busy), filled - width:filled] = \
+                        getattr(old, name)[layer][index, old.filled - width:old.filled]
+                for row, (_, _, length, j) in enumerate(new, start=len(busy)):
+                    store[row, filled - length:filled] = prompt[j, :length]
                 getattr(cache, name)[layer] = store
         self.cache = cache
-        self.live += [(r, s) for r in requests for s in range(r.num_samples)]
+        self.slots = old_slots + [(r, s) for r, s, _, _ in new]
+        return torch.cat(([logits[index]] if busy else []) + [new_logits])
 
 
 if __name__ == "__main__":

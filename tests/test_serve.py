@@ -373,7 +373,7 @@ def test_requests_joining_a_running_batch_decode_as_if_alone(model, tokenizer):
         steps += 1
     assert [r.completions[0].tokens for r in requests] == alone
     batch.step()  # nothing left to decode: the finished rows leave, nothing runs
-    assert batch.live == [] and batch.cache is None
+    assert batch.slots == [] and batch.cache is None
 
     # a seeded request samples the same alone and joined to a batch running other settings
     def sample(join_after):
