@@ -394,6 +394,9 @@ def test_requests_joining_a_running_batch_decode_as_if_alone(model, tokenizer):
     solo = sample(None)
     assert sample(2) == solo and sample(0) == solo
     assert solo[0] != solo[1]
+    # the same sampler and draws as Engine.generate: a seed gives the same samples through either
+    generated = engine.generate([prompts[0]], num_samples=2, max_tokens=25, temperature=1.0, seed=7)[0]
+    assert [c.tokens for c in generated] == solo
 
 
 def test_a_request_arriving_mid_batch_is_answered_while_the_batch_still_runs(server, tokenizer):
