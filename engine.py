@@ -490,18 +490,23 @@ class Engine:
                 logits = _one_token_logits(model, next_ids, kv_cache)  # (B, V)
 
     def _load_static_cache(self, prefills, repeats, max_len):
-        """
-        The compiled path's cache holding the prefills (StaticKVCache.load): the kept one when its shape is this
-        call's, rows and max_len rounded up (_bucket), else a new one, which replaces it (the old one is freed
-        first: one cache's memory at a time).
-        """
+        """The compiled path's cache holding the prefills (StaticKVCache.load), rows and max_len rounded up."""
         rows = _bucket(len(prefills) * repeats, 8)
-        slots = min(_bucket(max_len, STATIC_LEN_MULTIPLE), self.model.rotary_len)
-        cache = self._static_cache
-        if cache is None or (cache.lengths.size(0), cache.max_len) != (rows, slots) or not cache.fits(prefills[0]):
-            self._static_cache = cache = None
-            self._static_cache = cache = StaticKVCache(rows, slots, prefills[0])
+        cache = self._kept_static_cache(rows, min(_bucket(max_len, STATIC_LEN_MULTIPLE), self.model.rotary_len),
+                                        prefills[0])
         cache.load(prefills, repeats)
+        return cache
+
+    def _kept_static_cache(self, rows, max_len, prefill):
+        """
+        A StaticKVCache of this shape for the rows of KVCache `prefill`: the kept one when it has that shape, else a
+        new one, which replaces it (the old one is freed first: one cache's memory at a time). Its contents are the
+        caller's to set.
+        """
+        cache = self._static_cache
+        if cache is None or (cache.lengths.size(0), cache.max_len) != (rows, max_len) or not cache.fits(prefill):
+            self._static_cache = cache = None
+            self._static_cache = cache = StaticKVCache(rows, max_len, prefill)
         return cache
 
     def _step_row(self, row, sampled, logprob, max_tokens):
@@ -735,19 +740,24 @@ class DecodeBatch:
     rows share it) and their rows join the batch at the next step(). A row whose Completion has finished (a stop
     token, its request's max_tokens, or the caller setting finish) is not stepped again and frees its cache row,
     which the next joining row reuses in place: only that row's prompt is written. A freed row still rides along in
-    the forward until it is reused (cheaper than moving every other row's keys and values to drop it); once more
-    rows are free than busy, the busy ones are packed together.
-    The cache keeps KVCache's right-aligned layout (every row writes slot `filled` each step). A joining prompt
-    longer than `filled`, more joining rows than free ones, or too few slots left for its max_tokens rebuilds the
-    cache: the busy rows and the new ones, right-aligned anew, which also drops the slots no row uses, with room for
-    twice the longest remaining budget so that later joins fit in place.
+    the forward until it is reused (cheaper than moving every other row's keys and values to drop it); on the eager
+    path, once more rows are free than busy, the busy ones are packed together.
+    Rows are right-aligned as in KVCache (every row writes slot `filled` each step). A joining prompt longer than
+    `filled`, more joining rows than free ones, or too few slots left for its max_tokens rebuilds the cache: the busy
+    rows and the new ones, right-aligned anew, which also drops the slots no row uses, with room for twice the
+    longest remaining budget so that later joins fit in place.
+    The step is the Engine's: eager on a KVCache, or (Engine(compiled=True)) the compiled one on the Engine's kept
+    StaticKVCache, rows and slots rounded up as in Engine.generate (_bucket), so an Engine decodes one DecodeBatch
+    or generate call at a time; there the rows beyond the busy ones are free from the start, and nothing is packed
+    (a smaller shape is one more compile).
     """
 
     def __init__(self, engine):
         self.engine, self.model = engine, engine.model
         self.device = engine.model.lm_head.weight.device
         self.slots = []  # per cache row: its (request, sample), or None when free
-        self.cache = None  # KVCache of the rows: prompt + every generated token but the last
+        self.cache = None  # KVCache or StaticKVCache of the rows: prompt + every generated token but the last
+        self.filled = 0  # slots written in every row (KVCache.filled; a StaticKVCache keeps it on the device)
         self.next_ids = None  # (B, 1) each row's last generated token: the next step's input
         self.joining = []  # (requests, their prefill KVCache, prompt lengths, last-token logits (P, V))
 
@@ -804,9 +814,13 @@ class DecodeBatch:
         busy = [i for i, slot in enumerate(self.slots) if slot is not None]
         if not busy:
             self.slots, self.cache, self.next_ids = [], None, None
-        elif 2 * len(busy) < len(self.slots):
+        elif 2 * len(busy) < len(self.slots) and not self.engine.compiled:
             self._pack(busy)
-        logits = _one_token_logits(self.model, self.next_ids, self.cache) if self.slots else None  # (B, V)
+        logits = None
+        if self.slots:
+            step = self.engine._step if self.engine.compiled else _one_token_logits
+            logits = step(self.model, self.next_ids, self.cache)  # (B, V)
+            self.filled += 1
         for requests, prefill, lengths, prompt_logits in self.joining:
             logits = self._join(requests, prefill, lengths, prompt_logits, logits)
         self.joining = []
@@ -894,23 +908,26 @@ class DecodeBatch:
         new = [(r, s, length, j) for j, (r, length) in enumerate(zip(requests, lengths)) for s in range(r.num_samples)]
         source = torch.tensor([j for *_, j in new], device=self.device)
         free = [i for i, slot in enumerate(self.slots) if slot is None]
-        c = self.cache
-        if (c is None or len(new) > len(free) or max(lengths) > c.filled
-                or c.filled + max(r.max_tokens for r in requests) > c.max_len):
+        c, filled = self.cache, self.filled
+        if (c is None or len(new) > len(free) or max(lengths) > filled
+                or filled + max(r.max_tokens for r in requests) > c.max_len):
             return self._rebuild(new, prefill, prompt_logits[source], logits)
         rows = free[:len(new)]
         for layer in range(len(c.keys)):
             for name in ("keys", "values"):
                 store, prompt = getattr(c, name)[layer], getattr(prefill, name)[layer]
                 for row, (_, _, length, j) in zip(rows, new):
-                    store[row, c.filled - length:c.filled] = prompt[j, :length]
+                    store[row, filled - length:filled] = prompt[j, :length]
         index = torch.tensor(rows, device=self.device)
         c.lengths[index] = torch.tensor([length for _, _, length, _ in new], device=self.device)
-        slots = torch.arange(c.max_len, device=self.device)
-        if c.padding is None:  # until now every row held `filled` tokens
-            c.padding = (slots >= (c.filled - c.lengths)[:, None])[:, None, None, :]
+        if self.engine.compiled:
+            c.first[index] = filled - c.lengths[index]
         else:
-            c.padding[index] = (slots >= (c.filled - c.lengths[index])[:, None])[:, None, None, :]
+            slots = torch.arange(c.max_len, device=self.device)
+            if c.padding is None:  # until now every row held `filled` tokens
+                c.padding = (slots >= (filled - c.lengths)[:, None])[:, None, None, :]
+            else:
+                c.padding[index] = (slots >= (filled - c.lengths[index])[:, None])[:, None, None, :]
         for row, (r, s, _, _) in zip(rows, new):
             self.slots[row] = (r, s)
         return logits.index_put((index,), prompt_logits[source])
@@ -918,35 +935,46 @@ class DecodeBatch:
     def _rebuild(self, new, prefill, new_logits, logits):
         """A new cache: the busy rows, then the new ones, right-aligned; returns the logits in the new row order."""
         busy = [i for i, slot in enumerate(self.slots) if slot is not None]
-        old, old_slots = self.cache, [self.slots[i] for i in busy]
+        old, old_filled, old_slots = self.cache, self.filled, [self.slots[i] for i in busy]
         # a busy row holds its prompt and all its tokens: this step's forward fed the last one (or it has none yet)
         old_lengths = [len(r.prompt) + len(r.rows[s].completion.tokens) for r, s in old_slots]
         all_lengths = old_lengths + [length for _, _, length, _ in new]
         filled = max(all_lengths)
-        # a row with k tokens left needs at most k - 1 more forwards; twice that leaves room for later joins
+        # a row with k tokens left needs at most k - 1 more forwards; twice that leaves room for later joins, within
+        # the rotary tables (GPT.forward refuses a longer cache)
         remaining = [r.max_tokens - len(r.rows[s].completion.tokens) for r, s in old_slots]
-        max_len = filled + 2 * max(remaining + [r.max_tokens for r, *_ in new])
-        cache = KVCache(len(all_lengths), max_len, self.model.config.n_layer, self.device)
-        cache.lengths = torch.tensor(all_lengths, device=self.device)
-        cache.filled = filled
-        if any(length != filled for length in all_lengths):
-            first_slot = filled - cache.lengths  # (B,)
-            cache.padding = (torch.arange(max_len, device=self.device) >= first_slot[:, None])[:, None, None, :]
+        max_len = min(filled + 2 * max(remaining + [r.max_tokens for r, *_ in new]), self.model.rotary_len)
+        lengths = torch.tensor(all_lengths, device=self.device)
+        if self.engine.compiled:  # the rows after the busy and new ones are free: empty, at the current slot
+            slots = min(_bucket(max_len, STATIC_LEN_MULTIPLE), self.model.rotary_len)
+            cache = self.engine._kept_static_cache(_bucket(len(all_lengths), 8), slots, prefill)
+            cache.slot.fill_(filled)
+            cache.lengths.zero_()
+            cache.lengths[:len(all_lengths)] = lengths
+            torch.sub(filled, cache.lengths, out=cache.first)
+        else:
+            cache = KVCache(len(all_lengths), max_len, self.model.config.n_layer, self.device)
+            cache.lengths, cache.filled = lengths, filled
+            if any(length != filled for length in all_lengths):
+                first_slot = filled - lengths  # (B,)
+                cache.padding = (torch.arange(max_len, device=self.device) >= first_slot[:, None])[:, None, None, :]
+            cache.keys = [k.new_zeros(len(all_lengths), max_len, *k.shape[2:]) for k in prefill.keys]
+            cache.values = [v.new_zeros(len(all_lengths), max_len, *v.shape[2:]) for v in prefill.values]
         index = torch.tensor(busy, dtype=torch.long, device=self.device)
         for layer in range(len(prefill.keys)):
             for name in ("keys", "values"):
-                prompt = getattr(prefill, name)[layer]  # (P, T, n_kv_head, head_dim)
-                store = prompt.new_zeros(len(all_lengths), max_len, *prompt.shape[2:])
-                if busy:  # the busy rows' tokens all lie in their last `width` slots
-                    width = min(old.filled, filled)
+                prompt, store = getattr(prefill, name)[layer], getattr(cache, name)[layer]  # (P, T, ...), (B, S, ...)
+                if busy:  # the busy rows' tokens all lie in their last `width` slots (read out before any write:
+                    # the compiled path may rebuild within the same StaticKVCache)
+                    width = min(old_filled, filled)
                     store[:len(busy), filled - width:filled] = \
-                        getattr(old, name)[layer][index, old.filled - width:old.filled]
+                        getattr(old, name)[layer][index, old_filled - width:old_filled]
                 for row, (_, _, length, j) in enumerate(new, start=len(busy)):
                     store[row, filled - length:filled] = prompt[j, :length]
-                getattr(cache, name)[layer] = store
-        self.cache = cache
-        self.slots = old_slots + [(r, s) for r, s, _, _ in new]
-        return torch.cat(([logits[index]] if busy else []) + [new_logits])
+        self.cache, self.filled = cache, filled
+        free = cache.lengths.size(0) - len(all_lengths)
+        self.slots = old_slots + [(r, s) for r, s, _, _ in new] + [None] * free
+        return F.pad(torch.cat(([logits[index]] if busy else []) + [new_logits]), (0, 0, 0, free))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ every waiting request whose rows still fit --max-batch (oldest first): their pro
 forward and their rows join the running batch at that step, each request with its own sampling settings, seed and
 max_tokens; n > 1 shares one prefill per prompt. A row leaves the batch as soon as it finishes; a client that goes
 away, or a reply that reached a stop string, has its rows finished before the next step. A failure inside
-generation answers 500 (an error event in a stream) to the requests decoding then, and the worker goes on.
+generation answers 500 (an error event in a stream) to the requests decoding then, and the worker goes on. The
+decode step is the Engine's: compiled where that is its default (CUDA; --eager opts out), eager on CPU.
 """
 
 import argparse
@@ -798,6 +799,9 @@ def main():
                         help="seconds a request may take to arrive (and a keep-alive connection may idle)")
     parser.add_argument("--temperature", type=float, default=0.6, help="temperature when a request gives none")
     parser.add_argument("--top-k", type=int, default=50, help="top_k when a request gives none")
+    parser.add_argument("--eager", action="store_true",
+                        help="decode with the eager step even where the compiled one is the default (CUDA): the "
+                             "compiled step makes the first requests wait for its compiles")
     parser.add_argument("--quiet", action="store_true", help="do not log each request")
     args = parser.parse_args()
 
@@ -811,10 +815,10 @@ def main():
     except FileNotFoundError as e:
         sys.exit(f"error: {e}")
     name = Path(args.ckpt).expanduser().resolve().name
-    server = make_server(Engine(model, tokenizer), device, args.host, args.port, name, args.max_queue,
-                         args.max_batch, args.max_tokens, args.max_n, args.max_body, args.temperature, args.top_k,
-                         args.quiet, args.api_key or None, args.cors_origin, args.model_alias, args.max_connections,
-                         args.read_timeout)
+    engine = Engine(model, tokenizer, compiled=False if args.eager else None)
+    server = make_server(engine, device, args.host, args.port, name, args.max_queue, args.max_batch, args.max_tokens,
+                         args.max_n, args.max_body, args.temperature, args.top_k, args.quiet, args.api_key or None,
+                         args.cors_origin, args.model_alias, args.max_connections, args.read_timeout)
     server.worker.thread.start()
     host, port = server.server_address[:2]
     if exposed and not args.api_key:

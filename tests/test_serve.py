@@ -399,6 +399,55 @@ def test_requests_joining_a_running_batch_decode_as_if_alone(model, tokenizer):
     assert [c.tokens for c in generated] == solo
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_finished_rows_are_reused_in_place_and_packed_away(model, tokenizer, compiled):
+    # the compiled step (a StaticKVCache of rows rounded up) reuses rows the same way but never packs
+    from engine import DecodeBatch, Request
+
+    engine = Engine(model, tokenizer, compiled=compiled)
+    texts = ("What is 3+4?", "hello there, how are you today", "hi", "ok", "What is 5?")
+    budgets = (4, 40, 30, 5, 20)
+    prompts = [prompt_of(tokenizer, text) for text in texts]
+    eager = Engine(model, tokenizer, compiled=False)
+    # sampled (each request seeded): the log-probs show what a row attends to, which greedy tokens may not
+    alone = [eager.generate([p], max_tokens=n, seed=i)[0][0] for i, (p, n) in enumerate(zip(prompts, budgets))]
+    requests = [Request(p, 1, n, Sampling(seed=i)) for i, (p, n) in enumerate(zip(prompts, budgets))]
+    batch = DecodeBatch(engine)
+    batch.add(requests[:2])
+    for _ in range(5):  # the first request's 4 tokens: its row is free
+        batch.step()
+    cache = batch.cache
+    batch.add(requests[2:3])  # fits the free row: written in place, the other row's keys and values untouched
+    batch.step()
+    assert batch.cache is cache and batch.slots[0][0] is requests[2] and batch.slots[1][0] is requests[1]
+    batch.add(requests[3:])  # two rows, one free: the cache is rebuilt with every busy row
+    batch.step()
+    assert batch.cache is not cache and len(batch.slots) == 4
+    rows_seen = set()
+    while batch.rows:
+        batch.step()
+        rows_seen.add(len(batch.slots))
+    # eager: the last busy row outlived the others and was packed alone as soon as 3 of 4 rows were free
+    assert rows_seen == ({4} if compiled else {4, 1})
+    for request, expected in zip(requests, alone):
+        assert request.completions[0].tokens == expected.tokens
+        assert request.completions[0].logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+
+
+def test_the_room_left_for_later_joins_stays_within_the_rotary_tables(model, tokenizer):
+    # twice the longest budget would reach past the positions the model covers (GPT.forward refuses such a cache)
+    from engine import DecodeBatch, Request
+
+    batch = DecodeBatch(Engine(model, tokenizer))
+    never_stop = {tokenizer.token_id("<|assistant_end|>"): -100, tokenizer.bos_id: -100}
+    request = Request(prompt_of(tokenizer, "hi"), 1, model.rotary_len - 50, Sampling(temperature=0),
+                      logit_bias=never_stop)
+    batch.add([request])
+    for _ in range(3):
+        batch.step()
+    assert batch.cache.max_len == model.rotary_len and len(request.completions[0].tokens) == 3
+
+
 def test_a_request_arriving_mid_batch_is_answered_while_the_batch_still_runs(server, tokenizer):
     before = health(server)
     never_stop = {str(tokenizer.token_id("<|assistant_end|>")): -100, str(tokenizer.bos_id): -100}
