@@ -9,9 +9,8 @@ num_samples rows; then every row of every prompt decodes together, one token per
 position. A row stops at <|assistant_end|> (or <|bos|>) or after max_tokens tokens. When a row closes a calculator
 call <|python_start|>expr<|python_end|>, the engine evaluates expr and forces <|output_start|>result<|output_end|>
 into that row, one token per step, with mask 0 (the model never chose them, so RL must not train on them).
-Engine.generate_steps is the same loop, step by step, with one Sampling (settings and seed) per prompt, for a fixed
-set of prompts. DecodeBatch (the end of this file) lets requests join and leave between steps (continuous batching):
-serve.py decodes concurrent requests with it.
+DecodeBatch (the end of this file) is the same decoding for requests that join and leave between steps (continuous
+batching), each with its own Sampling (settings and seed): serve.py decodes concurrent requests with it.
 Each step samples with sample_tokens (inverse CDF, one seeded uniform per row) from sampling_logprobs's distribution.
 Two decode steps compute the same logits: the eager one on a KVCache (the reference), and the compiled one
 (Engine(compiled=True), the default on CUDA) on a StaticKVCache the Engine keeps for its next call of the same shape,
@@ -333,7 +332,7 @@ class Completion:
     mask: list = field(default_factory=list)  # 1: sampled by the model, 0: forced tool output
     logprobs: list = field(default_factory=list)  # sampled: log-prob under sampling_logprobs(...); forced: 0.0
     finish: str | None = None  # "stop" (emitted a stop token) or "length" (hit max_tokens); None while generating
-    # (a caller of Engine.generate_steps or DecodeBatch may also set it, to end a row early)
+    # (a caller of DecodeBatch may also set it, to end a row early)
 
 
 @dataclass
@@ -391,36 +390,20 @@ class Engine:
         Completions per prompt. temperature=0 is greedy. Same seed, same prompts and settings -> same completions.
         """
         sampling = Sampling(temperature, top_k, top_p, seed)
-        for rows in self._decode(prompts, num_samples, max_tokens, [sampling]):
+        for rows in self._decode(prompts, num_samples, max_tokens, sampling):
             pass  # rows are filled in place; the last step leaves them all finished
         return [rows[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
     def generate_stream(self, prompt, max_tokens=256, temperature=1.0, top_k=None, top_p=None, seed=None):
         """Yield the token ids of one completion of `prompt` as they are generated (forced tool tokens included)."""
         emitted = 0
-        for (completion,) in self._decode([prompt], 1, max_tokens, [Sampling(temperature, top_k, top_p, seed)]):
+        for (completion,) in self._decode([prompt], 1, max_tokens, Sampling(temperature, top_k, top_p, seed)):
             yield from completion.tokens[emitted:]
             emitted = len(completion.tokens)
 
-    def generate_steps(self, prompts, samplings, num_samples=1, max_tokens=256):
-        """
-        Step-wise generation for a server that batches requests: yields every row's Completion (row
-        i * num_samples + s is sample s of prompt i) after each decoding step. samplings holds one Sampling per
-        prompt, each with its own generator, so a seeded prompt's draws do not depend on what shares its batch.
-        The caller may finish a row early by setting its Completion's finish between steps (e.g. "length" at a
-        request's own smaller max_tokens, "cancelled" for a client that went away): the row is not stepped again
-        and the loop ends once every row has finished.
-        """
-        if len(samplings) != len(prompts):
-            raise ValueError(f"got {len(samplings)} samplings for {len(prompts)} prompts; pass one per prompt")
-        return self._decode(prompts, num_samples, max_tokens, samplings)
-
     @torch.inference_mode()
-    def _decode(self, prompts, num_samples, max_tokens, samplings):
-        """
-        The decoding loop of generate, generate_stream and generate_steps: yields all rows' Completions after each
-        step. samplings: one Sampling for all rows (one generator) or one per prompt (one generator each).
-        """
+    def _decode(self, prompts, num_samples, max_tokens, sampling):
+        """The decoding loop of generate and generate_stream: yields all rows' Completions after each step."""
         model = self.model
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("got an empty prompt list or an empty prompt; every prompt needs at least one token "
@@ -432,13 +415,11 @@ class Engine:
             raise ValueError(f"longest prompt + max_tokens = {max_len} tokens exceeds the model's "
                              f"{model.rotary_len} positions")
         device = model.lm_head.weight.device
-        generators = [torch.Generator(device=device) for _ in samplings]
-        for generator, sampling in zip(generators, samplings):
-            if sampling.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(sampling.seed)
-        group = len(prompts) * num_samples // len(samplings)  # rows per Sampling
+        generator = torch.Generator(device=device)
+        if sampling.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(sampling.seed)
 
         # Prefill each prompt once; its num_samples rows share the cache and the next-token logits.
         prefills, last_logits = [], []
@@ -455,16 +436,11 @@ class Engine:
 
         rows = [_Row() for _ in range(len(prompts) * num_samples)]
         while True:
-            logprobs, sampled = [], []  # per Sampling: its rows' distributions (group, V) and samples (group,)
-            for i, (sampling, generator) in enumerate(zip(samplings, generators)):
-                logprobs.append(sampling_logprobs(logits[i * group:(i + 1) * group], sampling.temperature,
-                                                  sampling.top_k, sampling.top_p))
-                if sampling.temperature == 0:
-                    sampled.append(logprobs[-1].argmax(-1))
-                else:  # uniforms in (0, 1], as sample_tokens needs
-                    uniforms = 1 - torch.rand(group, generator=generator, device=device)
-                    sampled.append(sample_tokens(logprobs[-1], uniforms))
-            logprobs, sampled = torch.cat(logprobs), torch.cat(sampled)  # (B, V), (B,)
+            logprobs = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (B, V)
+            if sampling.temperature == 0:
+                sampled = logprobs.argmax(-1)  # (B,)
+            else:  # uniforms in (0, 1], as sample_tokens needs
+                sampled = sample_tokens(logprobs, 1 - torch.rand(logits.size(0), generator=generator, device=device))
             sampled_logprobs = logprobs.gather(1, sampled[:, None]).squeeze(1)  # (B,)
             # One device-to-host transfer per step: token ids (exact in float32 below 2^24) and log-probs together.
             tokens, token_logprobs = torch.stack([sampled.float(), sampled_logprobs]).tolist()

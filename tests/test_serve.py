@@ -156,25 +156,6 @@ def test_concurrent_requests_are_all_answered_and_batched(server):
     assert after["largest_batch"] >= 2
 
 
-def test_a_prompt_samples_the_same_whatever_shares_its_batch(model, tokenizer):
-    # The property the server's seeds rely on: each prompt's rows draw from their own generator.
-    engine = Engine(model, tokenizer)
-    a, b = (tokenizer.render_for_completion({"messages": [{"role": "user", "content": text}]})
-            for text in ("What is 3+4?", "hello there, how are you"))
-
-    def run(prompts, samplings):
-        for rows in engine.generate_steps(prompts, samplings, num_samples=2, max_tokens=20):
-            pass
-        return [c.tokens for c in rows]
-
-    alone = run([a], [Sampling(temperature=1.0, seed=7)])
-    batched = run([b, a], [Sampling(temperature=0.8, top_k=5, seed=3), Sampling(temperature=1.0, seed=7)])
-    assert batched[2:] == alone
-    assert alone[0] != alone[1]  # a prompt's samples still differ from each other
-    with pytest.raises(ValueError, match="one per prompt"):
-        engine.generate_steps([a, b], [Sampling()])
-
-
 # -----------------------------------------------------------------------------
 # Hard edges
 
