@@ -131,8 +131,9 @@ class StaticKVCache:
     """
     KVCache's layout with every shape fixed and every position a tensor, for the compiled one-token decode step:
     rows right-aligned, all writing the same slot. Storage (B, max_len, n_kv_head, head_dim) per layer is allocated
-    once, and the Engine keeps the cache for its next generate call of the same shape (RL generates every step), so
-    the compiled step is traced once and on CUDA nothing is reallocated. The host never tracks how full it is:
+    once, and the Engine keeps the cache for its next generate call (RL generates every step) or DecodeBatch rebuild
+    of the same shape, so the compiled step is traced once and on CUDA nothing is reallocated. The cache never tracks
+    on the host how full it is (DecodeBatch counts it itself):
         slot (0-d)   the slot the next token of every row is written to (KVCache.filled)
         lengths (B,) tokens held by each row: its next token's rotary position
         first (B,)   the slot of each row's first token
