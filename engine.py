@@ -11,8 +11,8 @@ stopped, the eager step drops them from its cache (KVCache.keep_rows), so a few 
 finished row in the matmuls. When a row closes a calculator call <|python_start|>expr<|python_end|>, the engine
 evaluates expr and forces <|output_start|>result<|output_end|> into that row, one token per step, with mask 0 (the
 model never chose them, so RL must not train on them).
-Engine.generate_steps is the same loop, step by step, with one Sampling (settings and seed) per prompt: serve.py
-decodes concurrent requests together with it.
+DecodeBatch (the end of this file) is the same decoding for requests that join and leave between steps (continuous
+batching), each with its own Sampling (settings and seed): serve.py decodes concurrent requests with it.
 Each step samples with sample_tokens (inverse CDF, one seeded uniform per row) from sampling_logprobs's distribution.
 Two decode steps compute the same logits: the eager one on a KVCache (the reference), and the compiled one
 (Engine(compiled=True), the default on CUDA) on a StaticKVCache the Engine keeps for its next call of the same shape,
@@ -23,6 +23,7 @@ bench/engine.py measures the compiled one no faster there, and its compile takes
 import argparse
 import ast
 import operator
+import re
 import sys
 from collections import deque
 from dataclasses import dataclass, field
@@ -141,8 +142,9 @@ class StaticKVCache:
     """
     KVCache's layout with every shape fixed and every position a tensor, for the compiled one-token decode step:
     rows right-aligned, all writing the same slot. Storage (B, max_len, n_kv_head, head_dim) per layer is allocated
-    once, and the Engine keeps the cache for its next generate call of the same shape (RL generates every step), so
-    the compiled step is traced once and on CUDA nothing is reallocated. The host never tracks how full it is:
+    once, and the Engine keeps the cache for its next generate call (RL generates every step) or DecodeBatch rebuild
+    of the same shape, so the compiled step is traced once and on CUDA nothing is reallocated. The cache never tracks
+    on the host how full it is (DecodeBatch counts it itself):
         slot (0-d)   the slot the next token of every row is written to (KVCache.filled)
         lengths (B,) tokens held by each row: its next token's rotary position
         first (B,)   the slot of each row's first token
@@ -342,7 +344,7 @@ class Completion:
     mask: list = field(default_factory=list)  # 1: sampled by the model, 0: forced tool output
     logprobs: list = field(default_factory=list)  # sampled: log-prob under sampling_logprobs(...); forced: 0.0
     finish: str | None = None  # "stop" (emitted a stop token) or "length" (hit max_tokens); None while generating
-    # (a caller of Engine.generate_steps may also set it, to end a row early)
+    # (a caller of DecodeBatch may also set it, to end a row early)
 
 
 @dataclass
@@ -400,36 +402,20 @@ class Engine:
         Completions per prompt. temperature=0 is greedy. Same seed, same prompts and settings -> same completions.
         """
         sampling = Sampling(temperature, top_k, top_p, seed)
-        for rows in self._decode(prompts, num_samples, max_tokens, [sampling]):
+        for rows in self._decode(prompts, num_samples, max_tokens, sampling):
             pass  # rows are filled in place; the last step leaves them all finished
         return [rows[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
     def generate_stream(self, prompt, max_tokens=256, temperature=1.0, top_k=None, top_p=None, seed=None):
         """Yield the token ids of one completion of `prompt` as they are generated (forced tool tokens included)."""
         emitted = 0
-        for (completion,) in self._decode([prompt], 1, max_tokens, [Sampling(temperature, top_k, top_p, seed)]):
+        for (completion,) in self._decode([prompt], 1, max_tokens, Sampling(temperature, top_k, top_p, seed)):
             yield from completion.tokens[emitted:]
             emitted = len(completion.tokens)
 
-    def generate_steps(self, prompts, samplings, num_samples=1, max_tokens=256):
-        """
-        Step-wise generation for a server that batches requests: yields every row's Completion (row
-        i * num_samples + s is sample s of prompt i) after each decoding step. samplings holds one Sampling per
-        prompt, each with its own generator, so a seeded prompt's draws do not depend on what shares its batch.
-        The caller may finish a row early by setting its Completion's finish between steps (e.g. "length" at a
-        request's own smaller max_tokens, "cancelled" for a client that went away): the row is not stepped again
-        and the loop ends once every row has finished.
-        """
-        if len(samplings) != len(prompts):
-            raise ValueError(f"got {len(samplings)} samplings for {len(prompts)} prompts; pass one per prompt")
-        return self._decode(prompts, num_samples, max_tokens, samplings)
-
     @torch.inference_mode()
-    def _decode(self, prompts, num_samples, max_tokens, samplings):
-        """
-        The decoding loop of generate, generate_stream and generate_steps: yields all rows' Completions after each
-        step. samplings: one Sampling for all rows (one generator) or one per prompt (one generator each).
-        """
+    def _decode(self, prompts, num_samples, max_tokens, sampling):
+        """The decoding loop of generate and generate_stream: yields all rows' Completions after each step."""
         model = self.model
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("got an empty prompt list or an empty prompt; every prompt needs at least one token "
@@ -441,13 +427,11 @@ class Engine:
             raise ValueError(f"longest prompt + max_tokens = {max_len} tokens exceeds the model's "
                              f"{model.rotary_len} positions")
         device = model.lm_head.weight.device
-        generators = [torch.Generator(device=device) for _ in samplings]
-        for generator, sampling in zip(generators, samplings):
-            if sampling.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(sampling.seed)
-        group = len(prompts) * num_samples // len(samplings)  # rows per Sampling
+        generator = torch.Generator(device=device)
+        if sampling.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(sampling.seed)
 
         # Prefill each prompt once; its num_samples rows share the cache and the next-token logits.
         prefills, last_logits = [], []
@@ -465,16 +449,11 @@ class Engine:
         rows = [_Row() for _ in range(len(prompts) * num_samples)]
         decoding = list(range(len(rows)))  # the rows the eager step's cache holds, in its order
         while True:
-            logprobs, sampled = [], []  # per Sampling: its rows' distributions (group, V) and samples (group,)
-            for i, (sampling, generator) in enumerate(zip(samplings, generators)):
-                logprobs.append(sampling_logprobs(logits[i * group:(i + 1) * group], sampling.temperature,
-                                                  sampling.top_k, sampling.top_p))
-                if sampling.temperature == 0:
-                    sampled.append(logprobs[-1].argmax(-1))
-                else:  # uniforms in (0, 1], as sample_tokens needs
-                    uniforms = 1 - torch.rand(group, generator=generator, device=device)
-                    sampled.append(sample_tokens(logprobs[-1], uniforms))
-            logprobs, sampled = torch.cat(logprobs), torch.cat(sampled)  # (B, V), (B,)
+            logprobs = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (B, V)
+            if sampling.temperature == 0:
+                sampled = logprobs.argmax(-1)  # (B,)
+            else:  # uniforms in (0, 1], as sample_tokens needs
+                sampled = sample_tokens(logprobs, 1 - torch.rand(logits.size(0), generator=generator, device=device))
             sampled_logprobs = logprobs.gather(1, sampled[:, None]).squeeze(1)  # (B,)
             # One device-to-host transfer per step: token ids (exact in float32 below 2^24) and log-probs together.
             tokens, token_logprobs = torch.stack([sampled.float(), sampled_logprobs]).tolist()
@@ -513,18 +492,23 @@ class Engine:
                 logits = logits.index_copy(0, index, _one_token_logits(model, next_ids[index], kv_cache))
 
     def _load_static_cache(self, prefills, repeats, max_len):
-        """
-        The compiled path's cache holding the prefills (StaticKVCache.load): the kept one when its shape is this
-        call's, rows and max_len rounded up (_bucket), else a new one, which replaces it (the old one is freed
-        first: one cache's memory at a time).
-        """
+        """The compiled path's cache holding the prefills (StaticKVCache.load), rows and max_len rounded up."""
         rows = _bucket(len(prefills) * repeats, 8)
-        slots = min(_bucket(max_len, STATIC_LEN_MULTIPLE), self.model.rotary_len)
-        cache = self._static_cache
-        if cache is None or (cache.lengths.size(0), cache.max_len) != (rows, slots) or not cache.fits(prefills[0]):
-            self._static_cache = cache = None
-            self._static_cache = cache = StaticKVCache(rows, slots, prefills[0])
+        cache = self._kept_static_cache(rows, min(_bucket(max_len, STATIC_LEN_MULTIPLE), self.model.rotary_len),
+                                        prefills[0])
         cache.load(prefills, repeats)
+        return cache
+
+    def _kept_static_cache(self, rows, max_len, prefill):
+        """
+        A StaticKVCache of this shape for the rows of KVCache `prefill`: the kept one when it has that shape, else a
+        new one, which replaces it (the old one is freed first: one cache's memory at a time). Its contents are the
+        caller's to set.
+        """
+        cache = self._static_cache
+        if cache is None or (cache.lengths.size(0), cache.max_len) != (rows, max_len) or not cache.fits(prefill):
+            self._static_cache = cache = None
+            self._static_cache = cache = StaticKVCache(rows, max_len, prefill)
         return cache
 
     def _step_row(self, row, sampled, logprob, max_tokens):
@@ -631,6 +615,33 @@ def readable_reply(tokenizer, tokens):
     return "".join(pieces)
 
 
+
+_CALL = re.compile(r"\[calculator: (.*?) → ([^\]]*)\]|<\|python_start\|>(.*?)<\|python_end\|>"
+                   r"(?:<\|output_start\|>(.*?)<\|output_end\|>)?", re.DOTALL)
+
+
+def reply_parts(text):
+    """
+    The content parts of a reply's text, the inverse of readable_reply (and of the raw special-token form): each
+    `[calculator: expr → result]`, and each <|python_start|>expr<|python_end|><|output_start|>result<|output_end|>,
+    becomes a python part and a python_output part; the rest stays text. A client that sends a reply back as a plain
+    string thereby gives the model the tool tokens it wrote, not a description of them.
+    """
+    parts, start = [], 0
+    for call in _CALL.finditer(text):
+        if call.start() > start:
+            parts.append({"type": "text", "text": text[start:call.start()]})
+        readable = call.group(1) is not None
+        parts.append({"type": "python", "text": call.group(1) if readable else call.group(3)})
+        output = call.group(2) if readable else call.group(4)
+        if output is not None:
+            parts.append({"type": "python_output", "text": output})
+        start = call.end()
+    if start < len(text) or not parts:
+        parts.append({"type": "text", "text": text[start:]})
+    return parts
+
+
 def main():
     import common  # here, so that importing engine.py needs only torch
 
@@ -688,6 +699,284 @@ def main():
         if args.prompt is not None:
             return
         conversation["messages"].append({"role": "assistant", "content": assistant_content(tokenizer, tokens)})
+
+
+# -----------------------------------------------------------------------------
+# Continuous batching: requests join and leave a running batch between decoding steps
+
+
+@dataclass
+class Request:
+    """
+    One request's rows in a DecodeBatch: num_samples completions of `prompt`, each ending at a stop token or after
+    max_tokens tokens, sampled with the request's own Sampling and generator (so a seeded request draws the same
+    whatever shares its batch). Before sampling_logprobs, its logits get logit_bias added and OpenAI's penalties
+    subtracted: presence_penalty once for every token already generated in that row, frequency_penalty per
+    occurrence. top_logprobs > 0 records, for each sampled token, the most likely tokens of the distribution it was
+    sampled from.
+    """
+    prompt: list
+    num_samples: int = 1
+    max_tokens: int = 256
+    sampling: Sampling = field(default_factory=Sampling)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)  # {token id: added to its logit}
+    top_logprobs: int = 0
+    rows: list = field(default_factory=list)  # its _Rows, by sample, filled in by DecodeBatch.add
+    top: list = field(default_factory=list)  # per sample, per token: [(token, log-prob)], most likely first;
+    # empty for a forced tool-output token (the model did not choose it)
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)  # set by DecodeBatch.add
+    _bias: torch.Tensor | None = field(default=None, init=False, repr=False)  # (V,) logit_bias; None: none
+    _counts: torch.Tensor | None = field(default=None, init=False, repr=False)  # (num_samples, V); None: no penalty
+
+    @property
+    def completions(self):
+        return [row.completion for row in self.rows]
+
+
+class DecodeBatch:
+    """
+    The rows of many requests decoding together, one token per step, while requests join and leave between steps
+    (continuous batching). add() prefills the new prompts together (right-padded in one forward; their num_samples
+    rows share it) and their rows join the batch at the next step(). A row whose Completion has finished (a stop
+    token, its request's max_tokens, or the caller setting finish) is not stepped again and frees its cache row,
+    which the next joining row reuses in place: only that row's prompt is written. A freed row still rides along in
+    the forward until it is reused (cheaper than moving every other row's keys and values to drop it); on the eager
+    path, once more rows are free than busy, the busy ones are packed together.
+    Rows are right-aligned as in KVCache (every row writes slot `filled` each step). A joining prompt longer than
+    `filled`, more joining rows than free ones, or too few slots left for its max_tokens rebuilds the cache: the busy
+    rows and the new ones, right-aligned anew, which also drops the slots no row uses, with room for twice the
+    longest remaining budget so that later joins fit in place.
+    The step is the Engine's: eager on a KVCache, or (Engine(compiled=True)) the compiled one on the Engine's kept
+    StaticKVCache, rows and slots rounded up as in Engine.generate (_bucket), so an Engine decodes one DecodeBatch
+    or generate call at a time; there the rows beyond the busy ones are free from the start, and nothing is packed
+    (a smaller shape is one more compile).
+    """
+
+    def __init__(self, engine):
+        self.engine, self.model = engine, engine.model
+        self.device = engine.model.lm_head.weight.device
+        self.slots = []  # per cache row: its (request, sample), or None when free
+        self.cache = None  # KVCache or StaticKVCache of the rows: prompt + every generated token but the last
+        self.filled = 0  # slots written in every row (KVCache.filled; a StaticKVCache keeps it on the device)
+        self.next_ids = None  # (B, 1) each row's last generated token: the next step's input
+        self.joining = []  # (requests, their prefill KVCache, prompt lengths, last-token logits (P, V))
+
+    @property
+    def rows(self):
+        """Unfinished rows: decoding now or joining at the next step."""
+        decoding = sum(slot is not None and slot[0].rows[slot[1]].completion.finish is None for slot in self.slots)
+        return decoding + sum(r.num_samples for requests, *_ in self.joining for r in requests)
+
+    @torch.inference_mode()
+    def add(self, requests):
+        """Prefill the requests' prompts together; their rows join at the next step()."""
+        model = self.model
+        for r in requests:
+            if not r.prompt or r.num_samples < 1 or r.max_tokens < 1:
+                raise ValueError("every request needs a non-empty prompt, num_samples >= 1 and max_tokens >= 1")
+            if len(r.prompt) + r.max_tokens > model.rotary_len:
+                raise ValueError(f"prompt + max_tokens = {len(r.prompt) + r.max_tokens} tokens exceeds the model's "
+                                 f"{model.rotary_len} positions")
+        lengths = [len(r.prompt) for r in requests]
+        # Right-padded: causal attention never lets a prompt token see the padding after it, so one unmasked forward
+        # is exact for every prompt; the padding slots are never copied into the running cache.
+        ids = torch.zeros(len(requests), max(lengths), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
+        cache = KVCache(len(requests), max(lengths), model.config.n_layer, self.device)
+        h = model.hidden(ids.to(self.device), kv_cache=cache)  # (P, T, C)
+        logits = model.head(h[torch.arange(len(requests)), torch.tensor(lengths) - 1])  # (P, V)
+        vocab = logits.size(-1)
+        for r in requests:
+            r.rows = [_Row() for _ in range(r.num_samples)]
+            r.top = [[] for _ in range(r.num_samples)]
+            r._generator = torch.Generator(device=self.device)
+            if r.sampling.seed is None:
+                r._generator.seed()
+            else:
+                r._generator.manual_seed(r.sampling.seed)
+            if r.logit_bias:
+                r._bias = torch.zeros(vocab, device=self.device)
+                r._bias[torch.tensor(list(r.logit_bias), device=self.device)] = \
+                    torch.tensor(list(r.logit_bias.values()), dtype=torch.float, device=self.device)
+            if r.presence_penalty != 0 or r.frequency_penalty != 0:
+                r._counts = torch.zeros(r.num_samples, vocab, device=self.device)
+        self.joining.append((requests, cache, lengths, logits))
+
+    @torch.inference_mode()
+    def step(self):
+        """
+        Decode one token for every unfinished row (joining rows included); rows update their Completions (and
+        Request.top) in place.
+        """
+        self.slots = [slot if slot is not None and slot[0].rows[slot[1]].completion.finish is None else None
+                      for slot in self.slots]
+        busy = [i for i, slot in enumerate(self.slots) if slot is not None]
+        if not busy:
+            self.slots, self.cache, self.next_ids = [], None, None
+        elif 2 * len(busy) < len(self.slots) and not self.engine.compiled:
+            self._pack(busy)
+        logits = None
+        if self.slots:
+            step = self.engine._step if self.engine.compiled else _one_token_logits
+            logits = step(self.model, self.next_ids, self.cache)  # (B, V)
+            self.filled += 1
+        for requests, prefill, lengths, prompt_logits in self.joining:
+            logits = self._join(requests, prefill, lengths, prompt_logits, logits)
+        self.joining = []
+        if not self.slots:
+            return
+
+        requests = {}  # each request's (sample, row) in the cache, sample order: its generator's draw order
+        for row, slot in enumerate(self.slots):
+            if slot is not None:
+                requests.setdefault(id(slot[0]), (slot[0], []))[1].append((slot[1], row))
+        sampled, chosen, order, tops = [], [], [], []
+        for request, rows in requests.values():
+            rows.sort()
+            samples = [s for s, _ in rows]
+            index = torch.tensor([row for _, row in rows], device=self.device)
+            lg = logits[index]  # (rows of this request, V)
+            if request._bias is not None:
+                lg = lg + request._bias
+            if request._counts is not None:
+                counts = request._counts[samples]
+                lg = lg - request.presence_penalty * (counts > 0) - request.frequency_penalty * counts
+            s = request.sampling
+            logprobs = sampling_logprobs(lg, s.temperature, s.top_k, s.top_p)
+            if s.temperature == 0:
+                tokens = logprobs.argmax(-1)
+            else:  # one uniform per sample every step, finished ones too: Engine.generate's draws, seed for seed
+                uniforms = 1 - torch.rand(request.num_samples, generator=request._generator, device=self.device)
+                tokens = sample_tokens(logprobs, uniforms[samples])
+            sampled.append(tokens)
+            chosen.append(logprobs.gather(1, tokens[:, None]).squeeze(1))
+            order.append(index)
+            if request.top_logprobs:
+                tops.append((request, samples, torch.topk(logprobs, min(request.top_logprobs, logprobs.size(-1)))))
+        order = torch.cat(order)
+        # Free rows feed token 0: their outputs are never read.
+        step_ids = torch.zeros(len(self.slots), dtype=torch.long, device=self.device).index_put((order,),
+                                                                                               torch.cat(sampled))
+        step_logprobs = torch.zeros(len(self.slots), device=self.device).index_put((order,), torch.cat(chosen))
+        # One device-to-host transfer for the step (plus one per request that asked for top_logprobs).
+        tokens, token_logprobs = torch.stack([step_ids.float(), step_logprobs]).tolist()
+        forced = []
+        for row, (slot, token, logprob) in enumerate(zip(self.slots, tokens, token_logprobs)):
+            if slot is None:
+                continue
+            request, s = slot
+            completion = request.rows[s].completion
+            self.engine._step_row(request.rows[s], int(token), logprob, request.max_tokens)
+            if completion.mask[-1] == 0:
+                forced.append((row, completion.tokens[-1]))
+            if request._counts is not None:
+                request._counts[s, completion.tokens[-1]] += 1
+        for request, samples, top in tops:
+            for s, values, indices in zip(samples, top.values.tolist(), top.indices.tolist()):
+                sampled_here = request.rows[s].completion.mask[-1] == 1
+                request.top[s].append([(t, v) for t, v in zip(indices, values) if v > float("-inf")]
+                                      if sampled_here else [])
+        self.next_ids = step_ids[:, None]  # (B, 1); forced tool tokens replace what those rows sampled
+        if forced:
+            index, values = zip(*forced)
+            self.next_ids = self.next_ids.index_put((torch.tensor(index, device=self.device),),
+                                                    torch.tensor(values, device=self.device)[:, None])
+
+    def _cached(self, request, s):
+        """Tokens row (request, s) holds in the cache before a step: its prompt and every generated token but the
+        last (a row is stepped once when it joins, before any forward)."""
+        return len(request.prompt) + len(request.rows[s].completion.tokens) - 1
+
+    def _pack(self, busy):
+        """Keep only the busy rows (an index select of every layer's keys and values)."""
+        index = torch.tensor(busy, device=self.device)
+        c = self.cache
+        for layer in range(len(c.keys)):
+            c.keys[layer], c.values[layer] = c.keys[layer][index], c.values[layer][index]
+        c.lengths, self.next_ids = c.lengths[index], self.next_ids[index]
+        self.slots = [self.slots[i] for i in busy]
+        # No padding left when every busy row reaches back to slot 0: the unmasked (fused) path is exact.
+        full = all(self._cached(r, s) == c.filled for r, s in self.slots)
+        c.padding = None if full else c.padding[index]
+
+    def _join(self, requests, prefill, lengths, prompt_logits, logits):
+        """
+        Put the prefilled rows (slots 0 .. length - 1 of prefill, num_samples copies each) into free rows of the
+        cache, or rebuild it; returns the step's logits (B, V) with the new rows' next-token logits in their rows.
+        """
+        new = [(r, s, length, j) for j, (r, length) in enumerate(zip(requests, lengths)) for s in range(r.num_samples)]
+        source = torch.tensor([j for *_, j in new], device=self.device)
+        free = [i for i, slot in enumerate(self.slots) if slot is None]
+        c, filled = self.cache, self.filled
+        if (c is None or len(new) > len(free) or max(lengths) > filled
+                or filled + max(r.max_tokens for r in requests) > c.max_len):
+            return self._rebuild(new, prefill, prompt_logits[source], logits)
+        rows = free[:len(new)]
+        for layer in range(len(c.keys)):
+            for name in ("keys", "values"):
+                store, prompt = getattr(c, name)[layer], getattr(prefill, name)[layer]
+                for row, (_, _, length, j) in zip(rows, new):
+                    store[row, filled - length:filled] = prompt[j, :length]
+        index = torch.tensor(rows, device=self.device)
+        c.lengths[index] = torch.tensor([length for _, _, length, _ in new], device=self.device)
+        if self.engine.compiled:
+            c.first[index] = filled - c.lengths[index]
+        else:
+            slots = torch.arange(c.max_len, device=self.device)
+            if c.padding is None:  # until now every row held `filled` tokens
+                c.padding = (slots >= (filled - c.lengths)[:, None])[:, None, None, :]
+            else:
+                c.padding[index] = (slots >= (filled - c.lengths[index])[:, None])[:, None, None, :]
+        for row, (r, s, _, _) in zip(rows, new):
+            self.slots[row] = (r, s)
+        return logits.index_put((index,), prompt_logits[source])
+
+    def _rebuild(self, new, prefill, new_logits, logits):
+        """A new cache: the busy rows, then the new ones, right-aligned; returns the logits in the new row order."""
+        busy = [i for i, slot in enumerate(self.slots) if slot is not None]
+        old, old_filled, old_slots = self.cache, self.filled, [self.slots[i] for i in busy]
+        # a busy row holds its prompt and all its tokens: this step's forward fed the last one (or it has none yet)
+        old_lengths = [len(r.prompt) + len(r.rows[s].completion.tokens) for r, s in old_slots]
+        all_lengths = old_lengths + [length for _, _, length, _ in new]
+        filled = max(all_lengths)
+        # a row with k tokens left needs at most k - 1 more forwards; twice that leaves room for later joins, within
+        # the rotary tables (GPT.forward refuses a longer cache)
+        remaining = [r.max_tokens - len(r.rows[s].completion.tokens) for r, s in old_slots]
+        max_len = min(filled + 2 * max(remaining + [r.max_tokens for r, *_ in new]), self.model.rotary_len)
+        lengths = torch.tensor(all_lengths, device=self.device)
+        if self.engine.compiled:  # the rows after the busy and new ones are free: empty, at the current slot
+            slots = min(_bucket(max_len, STATIC_LEN_MULTIPLE), self.model.rotary_len)
+            cache = self.engine._kept_static_cache(_bucket(len(all_lengths), 8), slots, prefill)
+            cache.slot.fill_(filled)
+            cache.lengths.zero_()
+            cache.lengths[:len(all_lengths)] = lengths
+            torch.sub(filled, cache.lengths, out=cache.first)
+        else:
+            cache = KVCache(len(all_lengths), max_len, self.model.config.n_layer, self.device)
+            cache.lengths, cache.filled = lengths, filled
+            if any(length != filled for length in all_lengths):
+                first_slot = filled - lengths  # (B,)
+                cache.padding = (torch.arange(max_len, device=self.device) >= first_slot[:, None])[:, None, None, :]
+            cache.keys = [k.new_zeros(len(all_lengths), max_len, *k.shape[2:]) for k in prefill.keys]
+            cache.values = [v.new_zeros(len(all_lengths), max_len, *v.shape[2:]) for v in prefill.values]
+        index = torch.tensor(busy, dtype=torch.long, device=self.device)
+        for layer in range(len(prefill.keys)):
+            for name in ("keys", "values"):
+                prompt, store = getattr(prefill, name)[layer], getattr(cache, name)[layer]  # (P, T, ...), (B, S, ...)
+                if busy:  # the busy rows' tokens all lie in their last `width` slots (read out before any write:
+                    # the compiled path may rebuild within the same StaticKVCache)
+                    width = min(old_filled, filled)
+                    store[:len(busy), filled - width:filled] = \
+                        getattr(old, name)[layer][index, old_filled - width:old_filled]
+                for row, (_, _, length, j) in enumerate(new, start=len(busy)):
+                    store[row, filled - length:filled] = prompt[j, :length]
+        self.cache, self.filled = cache, filled
+        free = cache.lengths.size(0) - len(all_lengths)
+        self.slots = old_slots + [(r, s) for r, s, _, _ in new] + [None] * free
+        return F.pad(torch.cat(([logits[index]] if busy else []) + [new_logits]), (0, 0, 0, free))
 
 
 if __name__ == "__main__":

@@ -240,16 +240,15 @@ def test_compiled_keeps_its_cache_across_calls_and_matches_eager(model, tokenize
 def test_eager_step_drops_finished_rows_and_keeps_the_others_draws(model, tokenizer, prompts, monkeypatch):
     # Once half of the rows have finished, the eager step decodes only the others (KVCache.keep_rows). The rows still
     # decoding must get the tokens and log-probs the full batch gives them: same cache rows, same positions and
-    # padding, same uniforms. Rows are finished early here by the caller (generate_steps), as a server does.
+    # padding, same uniforms. Rows are finished early here by the caller of the decoding loop (Engine._decode).
     from engine import Sampling
 
     def run(finish_early):
-        steps = Engine(model, tokenizer, compiled=False).generate_steps(
-            prompts, [Sampling(temperature=1.0, seed=s) for s in (3, 4, 5)], num_samples=3, max_tokens=12)
+        steps = Engine(model, tokenizer, compiled=False)._decode(prompts, 3, 12, Sampling(temperature=1.0, seed=3))
         for step, rows in enumerate(steps):
             if step == 2 and finish_early:
                 for i in (0, 1, 3, 4, 6):
-                    rows[i].finish = "cancelled"
+                    rows[i].finish = "stop"
         return rows
 
     batch_rows = []
