@@ -288,6 +288,15 @@ def tokenizer_config(tokenizer, sequence_len):
             "chat_template": chat_template()}
 
 
+def save_tokenizer(tokenizer, out, sequence_len):
+    """Write tokenizer.json and tokenizer_config.json of `tokenizer` into the folder `out`, probe texts checked first."""
+    hf = hf_tokenizer(tokenizer)
+    check_tokenizers(tokenizer, hf)
+    hf.save(str(Path(out) / "tokenizer.json"))
+    config = tokenizer_config(tokenizer, sequence_len)
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
 def tokenizer_from_hf(path):
     """
     This repo's Tokenizer from a tokenizer.json, or a UserError naming what it cannot hold: a model other than
@@ -365,28 +374,23 @@ def check_probe(gpt, hf_model, vocab_size):
 
 def export(ckpt, out):
     """Write the HF NanoChat folder `out` from the checkpoint folder `ckpt`; returns the probe's max |logit diff|."""
-    from transformers import GenerationConfig, NanoChatForCausalLM
-
     model, tokenizer, meta = load_model(ckpt, "cpu")
     if meta.get("reward_model"):
         raise UserError(f"{ckpt} is a reward model: its scalar head has no counterpart in NanoChatForCausalLM")
+    from transformers import GenerationConfig, NanoChatForCausalLM  # seconds to import: refusals above answer first
+
     config = hf_config(model.config, tokenizer)
     hf_state = to_hf_state(model.state_dict())
     hf_model = NanoChatForCausalLM(config).eval()
     hf_model.load_state_dict(hf_state, strict=True)
     diff = check_probe(model, hf_model, tokenizer.vocab_size)
-    hf_tok = hf_tokenizer(tokenizer)
-    check_tokenizers(tokenizer, hf_tok)
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    save_tokenizer(tokenizer, out, model.config.sequence_len)
     eos = [tokenizer.token_id(name) for name in EOS_NAMES]
     hf_model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_id, eos_token_id=eos,
                                                   pad_token_id=tokenizer.token_id("<|assistant_end|>"))
     hf_model.save_pretrained(out)
-    hf_tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(tokenizer_config(tokenizer, model.config.sequence_len), indent=2, ensure_ascii=False) + "\n")
     return diff
 
 
