@@ -36,7 +36,7 @@ transformers, tokenizers and safetensors are needed here and in its tests only; 
 
 import argparse
 import json
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -52,7 +52,7 @@ PROBE_TEXTS = [  # checked through both tokenizers on every export and import
     "Hello world! It's 2024: we'll see.\n\n  Indented,\ttabbed   and trailing   ",
     "1234567 + 89 = 1234656; 3.14159, -0.5e10",
     "naïve café — Straße, 日本語のテキスト, привет мир, emoji 🙂👍🏽",
-    "<|bos|" + "<|notatoken|> <|user_end |> </s> [INST] {{x}}",
+    "<|bos| <|notatoken|> <|user_end |> </s> [INST] {{x}}",
     "don't I'LL WE'VE you're   \r\n\r\nx\n \n",
 ]
 # F.rms_norm without eps (model.norm) uses the epsilon of the input's dtype: float32 in every forward that matters
@@ -68,7 +68,7 @@ EOS_NAMES = ("<|assistant_end|>", "<|bos|>")  # engine.Engine's stop tokens, in 
 def hf_key(key):
     """The NanoChatForCausalLM name of a GPT state-dict key, or None when that model has no such parameter."""
     parts = key.split(".")
-    if key in ("wte.weight",):
+    if key == "wte.weight":
         return "model.embed_tokens.weight"
     if key == "lm_head.weight":
         return key
@@ -149,7 +149,7 @@ def gpt_config(hf):
         ("final_logit_softcapping", hf.final_logit_softcapping, LOGIT_SOFTCAP),
         ("rope_parameters.rope_type", rope.get("rope_type"), "default"),
         ("rope_parameters.rope_theta", rope.get("rope_theta"), ROTARY_BASE),
-        ("head_dim", head_dim * hf.num_attention_heads, hf.hidden_size),
+        ("head_dim", head_dim, hf.hidden_size // hf.num_attention_heads),
     ]
     for name, value, expected in checks:
         if value != expected:
@@ -403,6 +403,8 @@ def import_(hf_dir, out):
     for name in ("config.json", "tokenizer.json"):
         if not (hf_dir / name).is_file():
             raise UserError(f"{hf_dir} has no {name}: not a Hugging Face model folder with its tokenizer")
+    if not any(hf_dir.glob("*.safetensors")):
+        raise UserError(f"{hf_dir} has no *.safetensors weights; save the model with save_pretrained first")
     hf_cfg = AutoConfig.from_pretrained(hf_dir)
     config = gpt_config(hf_cfg)
     tokenizer = tokenizer_from_hf(hf_dir / "tokenizer.json")
