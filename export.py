@@ -17,9 +17,10 @@ The architectures are the same function, parameter for parameter:
     blocks.i.attn.c_q / c_k / c_v / c_proj    model.layers.i.self_attn.q_proj / k_proj / v_proj / o_proj
     blocks.i.mlp.c_fc / c_proj                model.layers.i.mlp.fc1 / fc2 (hidden_act relu2, intermediate 4 n_embd)
     lm_head (untied)                          lm_head, tie_word_embeddings false
-    norm(): F.rms_norm, no weight, eps float32's   NanoChatRMSNorm (no weight), rms_norm_eps the same
-    QK-norm, then RoPE (x1 cos + x2 sin, x2 cos - x1 sin)   RoPE (its rotate_half has the same sign), then QK-norm:
-                                              equal, as the rotation keeps each head's RMS
+    norm(): F.rms_norm, no weight             NanoChatRMSNorm (no weight), rms_norm_eps = float32's epsilon
+    norm after wte and after the last block   model.norm, applied at both places
+    QK-norm, then RoPE                        RoPE, then QK-norm: equal, as the rotation keeps each head's RMS
+    RoPE (x1 cos + x2 sin, x2 cos - x1 sin)   the same: NanoChat's rotate_half is (x2, -x1)
     LOGIT_SOFTCAP 15, ROTARY_BASE             final_logit_softcapping, rope_parameters.rope_theta
 
 Anything else (a config field, a parameter, a tokenizer setting the other side cannot hold) is refused with a one-line
@@ -28,8 +29,8 @@ differ by more than PROBE_TOLERANCE, and encode probe texts with both tokenizers
 
 The calculator tool in a conversation: an assistant message's content is a list of parts, {"type": "python", "text":
 "12*7"} renders as <|python_start|>12*7<|python_end|> and {"type": "python_output", "text": "84"} as
-<|output_start|>84<|output_end|>. transformers' generate() does not run the calculator: a model that calls it gets no
-result forced into its stream, as it does in engine.py.
+<|output_start|>84<|output_end|>. transformers' generate() does not run the calculator: where engine.py forces the
+result after <|python_end|>, generate() lets the model go on by itself.
 
 transformers, tokenizers and safetensors are needed here and in its tests only; no training stage imports them.
 """
@@ -58,7 +59,7 @@ PROBE_TEXTS = [  # checked through both tokenizers on every export and import
 # F.rms_norm without eps (model.norm) uses the epsilon of the input's dtype: float32 in every forward that matters
 # (CUDA autocast runs rms_norm in float32).
 RMS_NORM_EPS = torch.finfo(torch.float32).eps
-EOS_NAMES = ("<|assistant_end|>", "<|bos|>")  # engine.Engine's stop tokens, in that order
+EOS_NAMES = ("<|assistant_end|>", "<|bos|>")  # engine.Engine's stop tokens (its stop_ids)
 
 
 # -----------------------------------------------------------------------------
@@ -135,7 +136,7 @@ def hf_config(config, tokenizer):
 def gpt_config(hf):
     """
     The GPTConfig of a NanoChatConfig, or a UserError naming the first setting model.py cannot reproduce.
-    rms_norm_eps is allowed to differ (nanochat's own checkpoints say 1e-6): it is printed, and the probe measures it.
+    rms_norm_eps may differ (NanoChatConfig's default is 1e-6): import prints it, and the probe measures it.
     """
     if hf.model_type != "nanochat":
         raise UserError(f"config.json has model_type {hf.model_type!r}; only 'nanochat' can be imported")

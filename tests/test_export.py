@@ -300,8 +300,9 @@ def drop_specials(data):
 def test_import_refuses_a_tokenizer_tokenizer_py_cannot_hold(tokenizer, tmp_path, change, error):
     random_nanochat(tmp_path / "hf", tokenizer)
     edit_json(tmp_path / "hf" / "tokenizer.json", change)
-    with pytest.raises(UserError, match=error.replace("|", r"\|").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(UserError, match=error.replace("|", r"\|").replace("(", r"\(").replace(")", r"\)")) as caught:
         export.main(["--import", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")])
+    assert "\n" not in str(caught.value)
 
 
 def test_export_refuses_what_nanochat_cannot_hold(tokenizer, tmp_path):
