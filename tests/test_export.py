@@ -8,6 +8,7 @@ hold is refused in one line. Everything local: the models are built in-process.
 
 import json
 import random
+from dataclasses import make_dataclass
 import subprocess
 import sys
 from pathlib import Path
@@ -310,10 +311,9 @@ def test_export_refuses_what_nanochat_cannot_hold(tokenizer, tmp_path):
     with pytest.raises(UserError, match="parameter blocks.0.attn.ve_gate.weight has no counterpart in NanoChat"):
         export.to_hf_state({**GPT(config).state_dict(), "blocks.0.attn.ve_gate.weight": torch.zeros(2, 2)})
     # A model config field that model.py might grow (a sliding window, say) is named, not dropped.
-    from dataclasses import dataclass, make_dataclass
-    Windowed = make_dataclass("Windowed", [("window_size", int, 128)], bases=(GPTConfig,))
+    windowed = make_dataclass("Windowed", [("window_size", int, 128)], bases=(GPTConfig,))
     with pytest.raises(UserError, match="model config field window_size=128 has no NanoChat counterpart"):
-        export.hf_config(dataclass(Windowed)(**vars(config)), tokenizer)
+        export.hf_config(windowed(**vars(config)), tokenizer)
     with pytest.raises(UserError, match="vocab_size 512 but its tokenizer 400"):
         export.hf_config(GPTConfig(sequence_len=64, vocab_size=512, n_layer=1, n_head=2, n_kv_head=2, n_embd=32),
                          tokenizer)
