@@ -52,14 +52,14 @@ from itertools import islice
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import common
 import report
 from common import autocast_ctx, format_eta, get_dist_info, print0
 from engine import Engine, load_model
-from tasks import (GSM8K, LETTERS, MultipleChoice, SyntheticTask, canonical_number, collate, completion_reward,
-                   extract_final_answer, preference_mixture, prepare_rows, pretraining_batches, pretraining_texts,
-                   render_pair, token_budget_batches)
+from tasks import (LETTERS, MultipleChoice, canonical_number, collate, completion_reward, extract_final_answer,
+                   pretraining_batches, pretraining_texts, task_by_name, token_budget_batches)
 
 STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "merge")  # the checkpoints eval.py evaluates
 GENERATIVE_TASKS = ("synthetic", "gsm8k")
@@ -175,6 +175,8 @@ def continuation_logprobs(model, requests, device, batch_tokens=None):
     Rows are sorted by length and right-padded into micro-batches of at most `batch_tokens` positions (rows x
     longest; default 32 x sequence_len: 32 full-context rows). A row longer than sequence_len + 1 tokens keeps its
     last sequence_len + 1: the context is cut from the left, the continuation is always scored whole.
+    Only the continuations' positions go through lm_head (GPT.chunked_logits): float32 logits of every position of
+    a micro-batch would be 32 x 1,024 x 65,536 x 4 bytes = 8 GiB, for the few tokens that are scored.
     Returns a list of floats, in the order of `requests`.
     """
     keep = model.config.sequence_len + 1
@@ -190,9 +192,13 @@ def continuation_logprobs(model, requests, device, batch_tokens=None):
     batches, _ = token_budget_batches([[len(ids) - 1] for ids, _ in rows], batch_tokens or 32 * (keep - 1))
     for batch in batches:
         x, y = collate([rows[i] for i in batch], pad_id=0)  # (B, L), y = -1 outside the continuations
+        x, y = x.to(device), y.to(device)
+        scored = y != -1  # (B, L): the continuations' positions, the only logits read
         with autocast_ctx(device):
-            losses = model(x.to(device), y.to(device), loss_reduction="none")  # (B, L), 0 where y = -1
-        for i, score in zip(batch, (-losses.float().sum(1)).tolist()):
+            h = model.hidden(x)[scored]  # (n, C)
+            losses, = model.chunked_logits(h[None], partial(F.cross_entropy, reduction="none"), y[scored][None])
+        sums = torch.zeros(len(batch), device=device).index_add_(0, scored.nonzero()[:, 0], losses[0].float())
+        for i, score in zip(batch, (-sums).tolist()):
             scores[i] = score
     return scores
 
@@ -269,7 +275,8 @@ def evaluate_multiple_choice(model, tokenizer, items, style, num_shots=0, batch_
 def evaluate_multiple_choice_chat(model, tokenizer, items, batch_size=32, label=None):
     """
     Chat-model multiple choice by letter: render chat_prompt(item) up to <|assistant_start|>, and answer with the
-    choice whose letter token has the highest log-prob there (only the item's own letters compete).
+    choice whose letter token has the highest log-prob there (only the item's own letters compete). Only that last
+    position goes through lm_head: (B, V) float32 logits, not (B, L, V).
     `label`: print progress lines under that name. Returns {"acc", "count"}, summed over DDP ranks.
     """
     device = next(model.parameters()).device
@@ -285,8 +292,8 @@ def evaluate_multiple_choice_chat(model, tokenizer, items, batch_size=32, label=
         for b, ids in enumerate(prompts):
             x[b, :len(ids)] = torch.tensor(ids)
         with autocast_ctx(device):
-            logits = model(x.to(device))  # (B, L, V)
-        last = logits[torch.arange(len(batch)), torch.tensor([len(ids) - 1 for ids in prompts])]  # (B, V)
+            h = model.hidden(x.to(device))  # (B, L, C)
+            last = model.head(h[torch.arange(len(batch)), torch.tensor([len(ids) - 1 for ids in prompts])])  # (B, V)
         for row, item in zip(last, batch):
             letters = row[letter_ids[:len(item["choices"])]]  # (num_choices,)
             correct += int(letters.argmax()) == item["answer"]
@@ -385,105 +392,6 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
     return result
 
 
-def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64):
-    """
-    On-policy preference pairs: sample `num_samples` answers to each task[i] with the engine, score each with
-    tasks.completion_reward, and pair one correct answer (reward > 0) with one incorrect answer, each drawn at random
-    among its kind; a prompt whose answers are all right or all wrong gives no pair. An answer that ran into
-    max_tokens is incorrect whatever its text (it may be a rejected answer, never a chosen one: the pair then
-    teaches to stop). An answer the verifier failed on (crash, timeout, nonsense) is neither: it is left out of the
-    pair, and a prompt whose every answer errored counts as "unscored". The pair is made of the engine's own token
-    ids, never re-tokenized: ids = prompt + completion tokens, mask = 0 on the prompt and the completion's mask (1
-    where the model sampled the token, 0 on forced tool outputs). Returns (pairs as ((ids, mask), (ids, mask)),
-    Counter of outcomes per prompt, plus "verifier errors" and "truncated" counted per answer).
-    """
-    pairs, stats = [], Counter()
-    for start in range(0, len(indices), prompts_per_batch):
-        batch = indices[start:start + prompts_per_batch]
-        conversations = [task[i] for i in batch]
-        prompts = [engine.tokenizer.render_for_completion(c) for c in conversations]
-        results = engine.generate(prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
-                                  seed=seed + start)
-        for i, conversation, prompt, completions in zip(batch, conversations, prompts, results):
-            correct, incorrect = [], []
-            for completion in completions:
-                reward, error = completion_reward(task, conversation, completion_text(engine.tokenizer, completion),
-                                                  completion.finish)
-                stats["verifier errors"] += int(error)
-                stats["truncated"] += int(completion.finish == "length")
-                if not error:
-                    (correct if reward > 0 else incorrect).append(completion)
-            if not correct or not incorrect:
-                stats["all correct" if correct else "all incorrect" if incorrect else "unscored"] += 1
-                continue
-            rng = random.Random(f"{seed}-{i}")
-            chosen, rejected = rng.choice(correct), rng.choice(incorrect)
-            pairs.append(tuple((prompt + c.tokens, [0] * len(prompt) + c.mask) for c in (chosen, rejected)))
-            stats["paired"] += 1
-    return pairs, stats
-
-
-def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, task=None, samples=8, max_new_tokens=64,
-                     temperature=1.0, seed=0, index=None):
-    """
-    This rank's share of the preference pairs of `split` (DPO's and the reward model's data), as
-    ((ids, mask), (ids, mask)):
-        source "self-generated": `engine` samples `samples` answers to each of this rank's problems of `task`
-            (seed + 1_000_003 * rank) and self_generated_pairs pairs a right one with a wrong one; pairs with a side
-            longer than max_seq_len are dropped ("too long");
-        else the static preference_mixture(source, ...) ("synthetic" or "ultrafeedback"), rendered by render_pair.
-    index (tasks.NgramIndex, optional): problems and rows that overlap an evaluation set are skipped ("contaminated").
-    Returns (pairs, counts of what happened to the rows of all ranks, [(pairs, tokens of both sides)] per rank).
-    """
-    _, rank, _, world_size = common.get_dist_info()
-    if source == "self-generated":
-        indices = list(range(rank, len(task), world_size))
-        clean = [i for i in indices if index is None or not index.contaminated(task[i])]
-        contaminated, indices = len(indices) - len(clean), clean
-        with autocast_ctx(next(engine.model.parameters()).device):
-            pairs, counts = self_generated_pairs(engine, task, indices, samples, max_new_tokens, temperature,
-                                                 seed=seed + 1_000_003 * rank)
-        fits = [max(len(chosen[0]), len(rejected[0])) <= max_seq_len for chosen, rejected in pairs]
-        counts["too long"] = fits.count(False)
-        counts["paired"] -= counts["too long"]
-        if index is not None:
-            counts["contaminated"] = contaminated
-        pairs = [pair for pair, fit in zip(pairs, fits) if fit]
-    else:
-        mixture = preference_mixture(source, split, size, seed)
-        print0(f"{split} mixture:\n{mixture.summary()}")
-        pairs, skipped = prepare_rows(mixture, partial(render_pair, tokenizer, max_seq_len=max_seq_len),
-                                      range(rank, len(mixture), world_size), index=index)
-        counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
-        counts["paired"] = len(pairs)
-    share = (counts, len(pairs), sum(len(chosen[0]) + len(rejected[0]) for chosen, rejected in pairs))
-    shares = [share]
-    if dist.is_initialized():
-        shares = [None] * world_size
-        dist.all_gather_object(shares, share)
-    return pairs, sum((s[0] for s in shares), Counter()), [s[1:] for s in shares]
-
-
-# -----------------------------------------------------------------------------
-# Loading the tasks
-
-
-def load_task(name, size=None):
-    """
-    The held-out split of a generative or multiple-choice task; the first `size` problems if given. Hub tasks are read
-    like every other loader's: from $NANOPOST_DATA_DIR when set (tasks.local_files), else from the hub.
-    """
-    if name == "synthetic":
-        return SyntheticTask("test", size=size or 1000, seed=0)
-    if name == "gsm8k":
-        return GSM8K("test", size=size)
-    if name in MC_TASKS:
-        return MultipleChoice(name, "test", size=size)
-    raise ValueError(f"unknown task {name!r}; expected bpb or one of {GENERATIVE_TASKS + MC_TASKS}")
-
-
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Evaluate a checkpoint (bpb, multiple choice, pass@k) and render "
                                                  "the report card $NANOPOST_HOME/report.md.")
@@ -565,7 +473,7 @@ def main(argv=None):
                 metrics["bpb"] = evaluate_bpb(model, batches, token_bytes, device)
                 shown = f"bpb {metrics['bpb']:.4f}"
             elif name in MC_TASKS:
-                task = load_task(name, max_problems)
+                task = task_by_name(name, "test", max_problems)
                 items = [task[i] for i in range(len(task))]
                 if stage == "base":
                     shots = MC_SHOTS[name] if args.few_shot is None else args.few_shot
@@ -579,7 +487,7 @@ def main(argv=None):
                     metrics[f"{name}/acc"] = result["acc"]
                     shown = f"acc {result['acc']:.4f} (letter, {result['count']} items)"
             else:
-                task = load_task(name, max_problems)
+                task = task_by_name(name, "test", max_problems)
                 result = evaluate_generative(engine, task, list(range(len(task))), args.num_samples, ks, max_tokens,
                                              temperature, args.top_k, batch_size=batch_size, seed=args.seed,
                                              label=label)

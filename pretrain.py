@@ -26,8 +26,8 @@ import torch.distributed as dist
 import tasks
 from common import (ASSUMED_MFU, FINISHED, HARDWARE, Logger, add_stage_flags, append_report, autocast_ctx,
                     batch_tokens_for_device, checkpoint_dir, compute_cleanup, compute_init, exit_preempted,
-                    fit_batch_tokens, format_eta, get_base_dir, load_checkpoint, model_size, preempted, print0,
-                    print_plan, resume_or_finish, run_cli, save_checkpoint, stage_plan, synchronize)
+                    fit_batch_tokens, format_eta, get_base_dir, load_checkpoint, model_size, peak_flops, preempted,
+                    print0, print_plan, resume_or_finish, run_cli, save_checkpoint, stage_plan, synchronize)
 from engine import Engine
 from eval import evaluate_bpb
 from model import EMBEDDING_LR, GPT, MATRIX_LR, UNEMBEDDING_LR, GPTConfig
@@ -48,7 +48,7 @@ PRESETS = {
                   target_param_data_ratio=8.0, num_iterations=None, eval_every=250, eval_tokens=10 * 131072,
                   sample_every=1000, save_every=1000, log_every=10,
                   decontaminate=True),
-    # FineWeb-Edu (sample-10BT, ~10B tokens) on one 8xH100 node (plan(): ~2.6 h of the ~3.7 h speedrun). depth 20:
+    # FineWeb-Edu (sample-10BT, ~10B tokens) on one 8xH100 node (plan(): ~2.6 h of the ~3.9 h speedrun). depth 20:
     # n_embd 1280, 20 heads, 561M parameters with the 65536-token vocabulary, 3.49 GFLOPs/token. 15 tokens per
     # parameter = 8.4B tokens = 16,050 steps of 524,288 tokens = 2.9e19 FLOPs at 40% MFU of 8 x 989 TFLOP/s.
     # (Chinchilla's 20 tokens/param would need 11.2B tokens: more than sample-10BT holds, and 3.4 h.) Rows per
@@ -69,19 +69,6 @@ SAMPLE_PROMPTS = {
     "fineweb": ["The capital of France is", "The chemical symbol of gold is", "If yesterday was Friday, then tomorrow "
                 "will be", "The opposite of hot is", "The planets of the solar system are:"],
 }
-
-# Dense bf16 tensor-core peak of one GPU, FLOP/s (vendor datasheets), for MFU. Unknown devices report no MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2.25e15, "L40S": 362e12, "4090": 165e12}
-
-
-def peak_flops(device):
-    """Peak bf16 FLOP/s of a CUDA device by its name, or None (CPU, MPS, an unlisted GPU)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
 
 def lr_multiplier(step, num_iterations, warmup_frac, warmdown_frac):
     """
@@ -262,7 +249,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------
     # Data: this rank's documents packed into (B, T) rows; a fixed validation set
     train_texts = training_texts(args.data, "train", args.data_files)
-    index = tasks.NgramIndex(tasks.evaluation_texts(args.preset)) if args.decontaminate else None
+    index = tasks.decontamination_index(args.preset) if args.decontaminate else None
     contaminated = [0]  # documents skipped by this rank since this process started
 
     def keep(text):
@@ -340,7 +327,9 @@ def main(argv=None):
             logger.log({"val/bpb": val_bpb}, step)
         if master and args.sample_every and step > 0 and (step % args.sample_every == 0 or last_step):
             orig_model.eval()
-            completions = Engine(orig_model, tokenizer).generate(prompts, max_tokens=32, temperature=0.0)
+            # A few short greedy samples: a decode-step compile would cost more than it saves.
+            completions = Engine(orig_model, tokenizer, compiled=False).generate(prompts, max_tokens=32,
+                                                                                temperature=0.0)
             for prompt, (completion,) in zip(prompts, completions):
                 print0(f"  sample: {tokenizer.decode(prompt[1:] + completion.tokens)!r}")
             orig_model.train()

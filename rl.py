@@ -2,20 +2,19 @@
 Reinforcement learning from verifiable rewards: the GRPO family, one loop, every knob of 2024-2026 as a flag.
 
     python rl.py --preset tiny                                  # CPU, synthetic arithmetic, ~10 minutes
-    python rl.py --preset full                                  # GSM8K on one GPU
+    python rl.py --preset small                                 # GSM8K on one 24 GB GPU
     torchrun --nproc_per_node=8 rl.py --preset full             # one node, 8 GPUs
     torchrun --nnodes=2 --nproc_per_node=8 --node-rank=0 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
              rl.py --preset full                                # two nodes (node-rank 1 on the other)
     python rl.py --preset tiny --ckpt CK/sft --out CK/rlhf --reward rm --rm-ckpt CK/rm   # RL from a reward model
-    python rl.py --preset tiny --ckpt CK/sft --out CK/ppo --advantage gae                # PPO with a critic and GAE
     torchrun --nproc_per_node=8 rl.py --preset full --task ultrafeedback --reward rm --rm-ckpt CK/rm --out CK/rlhf
 
-Two switches leave the GRPO loop for the older RLHF recipe (Ziegler et al. 2019; Ouyang et al. 2022):
+RL from a reward model, the older RLHF recipe's reward (Ziegler et al. 2019; Ouyang et al. 2022):
     --reward rm     each completion is scored by a reward model of rm.py (normalize_scores: z-scored per step); the
                     KL penalty to the reference is then on by default (0.05). The verifier still measures: reward
                     accuracy and held-out pass@1 are logged next to the reward model's score.
-    --advantage gae a critic (the policy's trunk with a scalar head, own optimizers) and generalized advantage
-                    estimation over per-token rewards (token_rewards, gae, value_loss) replace group advantages.
+PPO with a critic and GAE is its own stage, ppo.py. The rollouts (prompts, sampling, scoring, the learner's rows) and
+the objective's math (group_advantages, policy_loss, kl_penalty, mismatch_weights) live in rollout.py, shared by both.
 
 Each step, on every rank (ranks hold different prompts; a group never spans ranks):
     1. rollout   draw prompts; Engine.generate samples G completions of each (one prefill per prompt, all rows decoded
@@ -26,8 +25,9 @@ Each step, on every rank (ranks hold different prompts; a group never spans rank
                  overlong penalty; dynamic sampling drops groups whose verifier rewards are all equal and samples
                  again. A step never holds the same prompt twice (ranks and rounds draw without replacement).
     3. advantage group_advantages: every token of a completion carries its completion's advantage.
-    4. update    one no-grad pass scores the batch with the current weights (old log-probs, entropy, the engine/trainer
-                 gap); then `--epochs` passes of `--minibatches` optimizer steps each minimise policy_loss (+ KL).
+    4. update    the old log-probs, entropy and engine/trainer gap of every token (from the learner's own pass when one
+                 epoch of one minibatch makes the ratio exactly 1; else from a no-grad pass first); then `--epochs`
+                 passes of `--minibatches` optimizer steps each minimise policy_loss (+ KL).
     5. every --eval-every steps: held-out pass@1 / pass@k (eval.evaluate_generative); at the end: checkpoint + report.
 
 The default recipe (`--preset` only chooses data, sizes and learning rates; the algorithm is the same):
@@ -51,14 +51,14 @@ The default recipe (`--preset` only chooses data, sizes and learning rates; the 
 
 Systems pieces of the frontier recipes (DAPO, verl, AReaL, PTGS), each a flag; measured on the tiny preset (20 steps
 from the tiny DPO checkpoint, same seed, one sitting; pass@1 / pass@8 on 128 held-out problems x 8 samples):
-    --task a:w,b:w       a weighted mixture of tasks (shares of the prompts, PromptMixture). Per source the logs
-                         count groups dispatched, completed and kept, valid tokens and the share of the loss mass
+    --task a:w,b:w       a weighted mixture of tasks (shares of the prompts, tasks.PromptMixture). Per source the logs
+                         count groups dispatched and kept, valid tokens and the share of the loss mass
                          (sum of |A| over its valid tokens), so an easy or fast source cannot silently take the batch.
     --decontaminate      drop training prompts that share a 13-gram of normalised words with an evaluation set in use
-                         (tasks.NgramIndex; counted per source in the log and the report). On for full (hub data); off
-                         for tiny, whose synthetic family is split by a hash of the question: there 13-grams of the
-                         templated stories flag 66 of the 5000 training prompts, different problems that share 13
-                         words with a test story (another starting number).
+                         (tasks.decontamination_index; counted per source in the log and the report). On for full
+                         (hub data); off for tiny, whose synthetic family is split by a hash of the question: there
+                         13-grams of the templated stories flag 66 of the 5000 training prompts, different problems
+                         that share 13 words with a test story (another starting number).
     --difficulty-filter  before RL, n samples of each training prompt with the start checkpoint; keep the prompts
                          whose success rate is strictly inside (LOW, HIGH): always- and never-solved prompts only make
                          zero-contrast groups. Cached in the checkpoint's folder. Tiny (512 prompts, 8 samples,
@@ -79,994 +79,88 @@ from the tiny DPO checkpoint, same seed, one sitting; pass@1 / pass@8 on 128 hel
 """
 
 import argparse
-import hashlib
-import json
 import math
-import queue
-import random
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from common import (FINISHED, HARDWARE, Logger, add_stage_flags, append_report, autocast_ctx, batch_tokens_for_device,
-                    checkpoint_dir, compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, format_eta,
-                    get_dist_info, kv_cache_bytes, load_checkpoint, model_size, preempted, print0, print_plan,
-                    resolve_checkpoint, resume_or_finish, run_cli, save_checkpoint, stage_plan, synchronize)
-from engine import Engine, load_model, sampling_logprobs
-from eval import completion_text, evaluate_generative
-from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
-from tasks import (GSM8K, NgramIndex, SyntheticTask, UltraFeedbackPrompts, collate, completion_reward, evaluation_texts,
-                   pad_sequences, row_texts, token_budget_batches)
+from common import (ASSUMED_PASS_RATE, FINISHED, HARDWARE, Logger, add_stage_flags, append_report,
+                    batch_tokens_for_device, checkpoint_dir, compute_cleanup, compute_init, exit_preempted,
+                    expected_sampling_rounds, fit_batch_tokens, inference_memory, kv_cache_bytes, load_checkpoint,
+                    model_size, preempted, print0, print_plan, resume_or_finish, rl_models_bytes, run_cli,
+                    save_checkpoint, stage_plan, synchronize)
+from engine import Engine, load_model
+from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
+from rollout import (PRESETS, Rollouts, add_flags, add_loss_stats, aggregate, all_reduce_gradients, batch_counts,
+                     difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches, learner_tally,
+                     load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally, reference_sampling,
+                     report_record, row_sampling, score_old, step_metrics, token_logprobs)
+# The objective this stage trains lives in rollout.py, shared with ppo.py (a stage never imports another stage), and
+# is named here as part of rl.py's interface: group_advantages (GRPO / Dr. GRPO / RLOO, applied by
+# rollout.learner_rows), overlong_penalty (DAPO), policy_loss (pg / ppo / gspo / cispo, reduced by aggregate),
+# kl_penalty (k1 / k2 / k3), mismatch_weights (TIS / masking of the engine/trainer gap), normalize_scores (--reward rm).
+from rollout import (AGGREGATIONS, KL_KINDS, LOSS_DEFAULTS, LOSS_KINDS, group_advantages,  # noqa: F401
+                     mismatch_weights, normalize_scores, overlong_penalty)
 
-PRESETS = {
-    # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
-    # SFT model (7% pass@1), 0.3 collapsed the policy within 30 steps and 0.1 learned too slowly to show in 40.
-    "tiny": dict(task="synthetic", train_size=5000, num_steps=50, prompts_per_step=16, group_size=8, max_tokens=48,
-                 device_batch_tokens=8192, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128,
-                 eval_samples=8, save_every=25, oversample=1.0, decontaminate=False),
-    # GSM8K on one 24 GB GPU (plan(): ~25 min): 32 prompts x 8 samples per step, 2x oversampled.
-    "small": dict(task="gsm8k", train_size=None, num_steps=40, prompts_per_step=32, group_size=8, max_tokens=512,
-                  device_batch_tokens=8192, lr_frac=0.05, warmup_steps=4, eval_every=20, eval_problems=200,
-                  eval_samples=8, save_every=20, oversample=2.0, decontaminate=True),
-    # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global; 2x oversampled, so that one
-    # sampling round usually finds 64 groups with contrast (plan(): ~50 min, rollout-bound: it assumes one round).
-    "full": dict(task="gsm8k", train_size=None, num_steps=200, prompts_per_step=64, group_size=16, max_tokens=512,
-                 device_batch_tokens=16384, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400,
-                 eval_samples=8, save_every=50, oversample=2.0, decontaminate=True),
-}
 PLAN_PROMPT_TOKENS = 256  # a GSM8K prompt, rendered, is at most ~250 tokens: for the budget (plan)
 
 
 def plan(args, config):
     """
-    The preset's budget (common.stage_plan). Rollouts dominate: each step decodes prompts x group_size x oversample
-    rows of max_tokens (the batch runs until its longest row ends), assuming ONE sampling round per step (dynamic
-    sampling adds a round whenever the oversampled groups hold too few with contrast), plus the held-out
-    evaluations; at HARDWARE's assumed decode rate. The learner: every kept row at prompt + max_tokens positions, 6N
-    FLOPs per token plus the chunked logits' second lm_head forward, a no-grad old-log-prob pass (2N) only when
-    --epochs or --minibatches > 1 (skipped otherwise), a reference pass (2N) with --kl-coef. Memory: the learner at
-    the largest micro-batch that fits, plus this rank's KV cache of a round (bf16) as if it were still held, plus
-    the reference model's fp32 weights with --kl-coef.
+    The preset's budget (common.stage_plan). Rollouts dominate: each sampling round decodes prompts x group_size x
+    oversample rows of max_tokens (the batch runs until its longest row ends); dynamic sampling runs rounds until
+    every rank holds its groups with contrast, common.expected_sampling_rounds of them from the task's assumed
+    starting pass rate (common.ASSUMED_PASS_RATE; one round without the filter or without an assumed rate), plus the
+    held-out evaluations; at HARDWARE's assumed decode rate. The learner: every kept row at prompt + max_tokens
+    positions, 6N FLOPs per token plus the chunked logits' second lm_head forward, a no-grad old-log-prob pass (2N)
+    only when --epochs or --minibatches > 1 (skipped otherwise), a reference pass (2N) with --kl-coef. Memory: the
+    larger of the learner at the largest micro-batch that fits (gradients summed in place, no DDP buckets) and the
+    rollout (weights, optimizer state, this rank's KV cache of a round, bf16), which never coexist: the engine's
+    cache is freed when generate returns; both plus the reference, reward model and critic the flags load
+    (common.rl_models_bytes).
     """
     hw = HARDWARE[args.preset]
-    num_params, flops = model_size(config)
+    flops = model_size(config)[1]
     positions = PLAN_PROMPT_TOKENS + args.max_tokens
-    rows = args.prompts_per_step * args.group_size * args.oversample  # per step, all ranks
+    rows = args.prompts_per_step * args.group_size * args.oversample  # per sampling round, all ranks
+    pass_rate = ASSUMED_PASS_RATE.get(args.task, {}).get(args.preset)
+    filtered = args.filter_zero_contrast and args.reward == "verifier" and pass_rate is not None
+    rounds = expected_sampling_rounds(pass_rate, args.group_size, math.ceil(args.prompts_per_step / hw["gpus"]),
+                                      args.oversample, hw["gpus"], args.max_sampling_rounds) if filtered else 1.0
     evals = args.num_steps // args.eval_every + 1
-    decode = args.num_steps * rows * args.max_tokens + evals * args.eval_problems * args.eval_samples * args.max_tokens
+    decode = (args.num_steps * rounds * rows * args.max_tokens
+              + evals * args.eval_problems * args.eval_samples * args.max_tokens)
     passes = args.epochs * (flops + 2 * config.n_embd * config.vocab_size)
     passes += (flops / 3 if args.epochs > 1 or args.minibatches > 1 else 0) + (flops / 3 if args.kl_coef > 0 else 0)
     tokens = args.num_steps * args.prompts_per_step * args.group_size * positions
-    extra = kv_cache_bytes(config, math.ceil(rows / hw["gpus"]), positions)
-    extra += 4 * num_params if args.kl_coef > 0 else 0
+    extra = sum(rl_models_bytes(config, reference=args.kl_coef > 0, reward_model=args.reward == "rm",
+                                critic=False).values())
+    rollout = inference_memory(config, math.ceil(rows / hw["gpus"]), positions, math.ceil(rows / hw["gpus"]),
+                               optimizer=True) + extra
     micro = fit_batch_tokens("rl", config, hw["memory"], args.device_batch_tokens, positions, LOGITS_CHUNK_TOKENS,
-                             extra)
-    return stage_plan("rl", args.preset, config, micro, LOGITS_CHUNK_TOKENS, tokens, passes, decode_tokens=decode,
-                      extra_bytes=extra, note=f"one sampling round per step, --oversample {args.oversample:g}")
-
-LOGP_FLOOR = -100.0  # log-probs are floored here: a token outside a top-k/top-p support (-inf) must not become NaN
-LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| and |log pi_trainer/pi_engine| are clamped here before exp(), as in verl:
-# with log-probs floored at -100, exp(98) overflows float32 to inf, and inf * 0 (a clipped branch) is a NaN gradient
-
-# -----------------------------------------------------------------------------
-# The math: advantages, reward shaping, loss aggregation, policy losses, KL, engine/trainer mismatch
-
-
-def group_advantages(rewards, group_size, scale="std", baseline="mean", eps=1e-6, valid=None):
-    """
-    Advantages of rewards (N,) laid out as N / group_size consecutive groups of completions of one prompt:
-
-        baseline "mean" (GRPO):  b_i = mean_j r_j
-        baseline "loo"  (RLOO):  b_i = (sum_j r_j - r_i) / (G - 1)       leave-one-out: b_i is independent of r_i
-        A_i = r_i - b_i,   then with scale "std" (GRPO):  A_i / (std_j r_j + eps)   (population std of the group)
-                                     scale "none" (Dr. GRPO): A_i unchanged
-
-    valid (N,) bool, optional: the completions that have a reward at all (False: the verifier failed on it, and an
-    error is not a wrong answer). The sums, means and std above then run over a group's n valid members only (G = n),
-    an invalid completion gets A = 0, and a group with fewer than 2 valid members gets A = 0 throughout.
-    A group whose (valid) rewards are all equal gets A = 0 under every option. Returns (N,).
-    """
-    if baseline not in ("mean", "loo"):
-        raise ValueError(f"unknown baseline {baseline!r}; expected 'mean' or 'loo'")
-    if scale not in ("std", "none"):
-        raise ValueError(f"unknown scale {scale!r}; expected 'std' or 'none'")
-    if group_size < 2 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size} (need group_size >= 2)")
-    r = rewards.float().view(-1, group_size)  # (groups, G)
-    v = torch.ones_like(r) if valid is None else valid.view(-1, group_size).float()  # (groups, G)
-    n = v.sum(1, keepdim=True)  # (groups, 1) valid members
-    total = (r * v).sum(1, keepdim=True)
-    mean = total / n.clamp(min=1)
-    if baseline == "mean":
-        advantages = r - mean
-    else:
-        advantages = r - (total - r) / (n - 1).clamp(min=1)
-    if scale == "std":
-        advantages = advantages / ((((r - mean) ** 2 * v).sum(1, keepdim=True) / n.clamp(min=1)).sqrt() + eps)
-    return (advantages * v * (n >= 2)).view(-1)
-
-
-def overlong_penalty(lengths, max_tokens, buffer):
-    """
-    DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward of completions of `lengths` (N,):
-
-        0                                      if |y| <= max_tokens - buffer
-        ((max_tokens - buffer) - |y|) / buffer if max_tokens - buffer < |y| <= max_tokens   (down to -1 at the limit)
-
-    so running into the limit is discouraged smoothly instead of by a cliff. Returns (N,) float.
-    """
-    if not 0 < buffer <= max_tokens:
-        raise ValueError(f"the overlong buffer must be in (0, max_tokens={max_tokens}], got {buffer}")
-    return (((max_tokens - buffer) - lengths.float()) / buffer).clamp(-1.0, 0.0)
-
-
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-def aggregate(values, mask, agg, max_len=None, count=None):
-    """
-    Reduce per-token values (B, T) over the tokens where mask (B, T) is 1 (verl's loss_agg_mode names):
-
-        token-mean               sum_{i,t} m v / N_tokens                     (DAPO: every token weighs the same)
-        seq-mean-token-mean      sum_i [sum_t m v / sum_t m] / N_seqs         (GRPO: the mean of sequence means)
-        seq-mean-token-sum-norm  sum_i [sum_t m v / max_len] / N_seqs         (Dr. GRPO: a constant length normaliser)
-
-    N_tokens (valid tokens) or N_seqs (sequences with at least one valid token) is `count`, default this batch's own.
-    Pass the count of the whole optimizer batch when it is split into micro-batches and across ranks: the
-    gradients then sum (over micro-batches, and over ranks with a SUM all-reduce) to those of the whole batch.
-    """
-    mask = mask.float()
-    if agg == "token-mean":
-        total = (values * mask).sum()
-        return total / max(float(mask.sum()) if count is None else count, 1.0)
-    if agg == "seq-mean-token-mean":
-        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
-    elif agg == "seq-mean-token-sum-norm":
-        if max_len is None:
-            raise ValueError("seq-mean-token-sum-norm needs max_len (the generation budget, --max-tokens)")
-        per_seq = (values * mask).sum(-1) / max_len  # (B,)
-    else:
-        raise ValueError(f"unknown aggregation {agg!r}; expected one of {AGGREGATIONS}")
-    return per_seq.sum() / max(float((mask.sum(-1) > 0).sum()) if count is None else count, 1.0)
-
-
-LOSS_KINDS = ("pg", "ppo", "gspo", "cispo")
-# Each loss kind's defaults from its paper, used for --eps-low / --eps-high / --loss-agg when the flag is not given:
-#   pg, ppo  eps 0.2 (PPO, Schulman et al. 2017) / 0.28 (clip-higher, DAPO, Yu et al. 2025), token-mean (DAPO).
-#   gspo     eps 3e-4 / 4e-4 (the bounds of the GSPO experiments, Zheng et al. 2025) and seq-mean-token-mean: its
-#            objective is the mean over the G sequences of each one's clipped term; token-mean would weigh each
-#            sequence by its length.
-#   cispo    no lower bound on the importance weight, eps_low = 1 so 1 - eps_low = 0 (MiniMax-M1, 2025, sec. 3.1:
-#            "we did not impose a lower bound ... we only tuned eps_high"; 0.28 is DAPO's), and the token-level
-#            average 1 / sum_i |o_i| of its eq. 4.
-LOSS_DEFAULTS = {
-    "pg": dict(eps_low=0.2, eps_high=0.28, loss_agg="token-mean"),
-    "ppo": dict(eps_low=0.2, eps_high=0.28, loss_agg="token-mean"),
-    "gspo": dict(eps_low=3e-4, eps_high=4e-4, loss_agg="seq-mean-token-mean"),
-    "cispo": dict(eps_low=1.0, eps_high=0.28, loss_agg="token-mean"),
-}
-
-
-def policy_loss(logp, old_logp, advantages, mask, kind="ppo", eps_low=0.2, eps_high=0.28, agg="token-mean",
-                dual_clip=None, weights=None, max_len=None, count=None):
-    """
-    The policy-gradient loss of sampled tokens, to minimise. logp (B, T): log-probs of the sampled tokens under the
-    current policy (with gradient); old_logp (B, T): under the policy that sampled them, before this batch's
-    updates; advantages (B,) or (B, T); mask (B, T): 1 on tokens to train. With r_t = exp(logp_t - old_logp_t),
-    sg = stop-gradient and A the advantage, the per-token loss l_t is
-
-        pg     -A exp(logp_t - sg(logp_t))     value -A, gradient -A grad(logp_t): plain on-policy REINFORCE
-        ppo    max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high))        (PPO, Schulman et al. 2017; separate
-               bounds = clip-higher, DAPO). dual_clip c > 1 also caps the loss of A < 0 tokens at -c A (Ye et al.
-               2020), so a huge ratio on a bad token cannot dominate.
-        gspo   as ppo with the sequence ratio s = exp(mean_t (logp_t - old_logp_t)) on every token (Zheng et al. 2025):
-               a whole sequence is clipped or not; use small bounds (the paper: 3e-4 / 4e-4).
-        cispo  -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A logp_t    (MiniMax-M1, 2025): the importance weight is
-               clipped and detached, so a clipped token keeps its gradient instead of losing it as in ppo.
-               (The paper bounds the weight from above only: eps_low = 1.)
-
-    Every log-ratio (the token's, and gspo's sequence mean) is clamped to +-LOG_RATIO_CLAMP before exp(), so
-    extreme log-probs give a finite loss and finite gradients (beyond the clamp the token gets no gradient).
-    `weights` (B, T), detached, multiply l_t (the engine/trainer mismatch correction, mismatch_weights). The loss
-    is aggregate(l, mask, agg, max_len, count). Returns (loss, stats) with stats floats: clip_low / clip_high, the
-    fraction of valid tokens whose ratio was cut at the lower / upper bound (for ppo/gspo: where the clipped side
-    is active, i.e. the token gets no gradient; clip_high includes the dual-clip region A < 0, r_t > c), and
-    ratio_min / ratio_mean / ratio_max over valid tokens.
-    """
-    if kind not in LOSS_KINDS:
-        raise ValueError(f"unknown policy loss kind {kind!r}; expected one of {LOSS_KINDS}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be > 1 (it caps -c A where the ratio exceeds c), got {dual_clip}")
-    mask = mask.float()
-    valid = mask > 0
-    advantages = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    log_ratio = (logp - old_logp) * mask  # (B, T), 0 on padding
-    if kind == "gspo":
-        seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
-        log_ratio = seq_log_ratio[:, None].expand_as(logp)
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T)
-    lower, upper = 1 - eps_low, 1 + eps_high
-    if kind == "pg":
-        token_loss = -advantages * (logp - logp.detach()).exp()
-        cut_low = cut_high = torch.zeros_like(valid)
-    elif kind == "cispo":
-        token_loss = -advantages * ratio.clamp(lower, upper).detach() * logp
-        cut_low, cut_high = ratio < lower, ratio > upper
-    else:  # ppo, gspo
-        token_loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(lower, upper))
-        cut_low, cut_high = (advantages < 0) & (ratio < lower), (advantages > 0) & (ratio > upper)
-        if dual_clip is not None:
-            token_loss = torch.where(advantages < 0, torch.minimum(token_loss, -advantages * dual_clip), token_loss)
-            cut_high = cut_high | ((advantages < 0) & (ratio > dual_clip))  # the loss is the constant -c A there
-    if weights is not None:
-        token_loss = token_loss * weights
-    loss = aggregate(token_loss, mask, agg, max_len=max_len, count=count)
-    num_valid = max(int(valid.sum()), 1)
-    ratio = ratio.detach()
-    stats = {"clip_low": float((cut_low & valid).sum()) / num_valid,
-             "clip_high": float((cut_high & valid).sum()) / num_valid,
-             "ratio_min": float(ratio.masked_fill(~valid, math.inf).min()),
-             "ratio_mean": float((ratio * mask).sum()) / num_valid,
-             "ratio_max": float(ratio.masked_fill(~valid, -math.inf).max())}
-    return loss, stats
-
-
-KL_KINDS = ("k1", "k2", "k3")
-
-
-def kl_penalty(logp, ref_logp, kind="k2"):
-    """
-    Per-token estimates of KL(pi || pi_ref) from tokens sampled from pi (Schulman 2020, "Approximating KL
-    divergence"), with d = logp - ref_logp = log pi / pi_ref:
-
-        k1 = d                      unbiased value, high variance, can be negative. As a loss it teaches nothing:
-                                    its gradient grad(logp) has expectation sum_y grad pi(y) = 0 under pi
-        k2 = d^2 / 2                biased value; as a loss its gradient d grad(logp) equals, in expectation over
-                                    the next token y ~ pi(. | prefix), the gradient of KL(pi(. | prefix) || pi_ref(. |
-                                    prefix)) for that fixed prefix. It leaves out how changing pi changes which
-                                    prefixes are sampled, so it is the per-token KL's gradient, not the sequence KL's
-        k3 = exp(-d) - 1 + d        unbiased value, always >= 0 (GRPO's choice); its gradient (1 - exp(-d)) grad(logp)
-                                    is not the gradient of KL(pi || pi_ref)
-
-    The default is k2 because the penalty is used as a loss: it is its gradient that must be right. rl.py scores
-    both logp and ref_logp on the untruncated temperature-scaled distributions (no top-k/top-p cut, see
-    reference_sampling): against a truncated reference a token outside its support would get ref_logp = LOGP_FLOOR
-    and k2 ~ 5e3. Returns (B, T).
-    """
-    d = logp - ref_logp
-    if kind == "k1":
-        return d
-    if kind == "k2":
-        return 0.5 * d.square()
-    if kind == "k3":
-        return torch.exp(-d) - 1 + d
-    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
-
-
-def mismatch_weights(trainer_logp, engine_logp, mode="tis", cap=2.0, window=(0.5, 2.0)):
-    """
-    Per-token weights (B, T) that correct for the sampler not being the learner: the engine sampled with
-    engine_logp, but the loss assumes the trainer's own log-probs trainer_logp at the same weights. With
-    rho_t = exp(trainer_logp_t - engine_logp_t):
-
-        none   w_t = 1
-        tis    w_t = min(rho_t, cap)                   truncated importance sampling (Yao et al. 2025)
-        mask   w_t = 1 if low <= rho_t <= high else 0  tokens the two disagree on are dropped (IcePop / MIS)
-
-    log rho_t is clamped to +-LOG_RATIO_CLAMP first, so the weights are finite. Returns detached weights.
-    """
-    rho = (trainer_logp - engine_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    if mode == "none":
-        return torch.ones_like(rho)
-    if mode == "tis":
-        return rho.clamp(max=cap)
-    if mode == "mask":
-        low, high = window
-        return ((rho >= low) & (rho <= high)).float()
-    raise ValueError(f"unknown mismatch correction {mode!r}; expected none, tis or mask")
-
-
-# -----------------------------------------------------------------------------
-# PPO with a critic (--advantage gae): per-token rewards, GAE, the clipped value loss; and the reward model's scores
-
-
-def token_rewards(scores, kl, mask, kl_coef):
-    """
-    Per-token rewards (B, T) of PPO for language models (Ziegler et al. 2019; Stiennon et al. 2020; OpenRLHF's
-    compute_reward): the KL penalty on every valid token, the sequence's score on its last valid token,
-
-        r_t = -kl_coef * kl_t                  for every t with mask_t = 1
-        r_T = -kl_coef * kl_T + score          T = the last t with mask_t = 1 (the answer's <|assistant_end|>)
-
-    scores (B,); kl (B, T) a per-token KL estimate, e.g. k1 = old_logp - ref_logp (detached: the penalty is part of
-    the reward, not a loss); mask (B, T). A row with no valid token gets no reward.
-    """
-    mask = mask.float()
-    rewards = -kl_coef * kl * mask  # (B, T)
-    positions = torch.arange(1, mask.size(1) + 1, device=mask.device)
-    last = (mask * positions).argmax(-1)  # (B,) index of the last valid token (0 for an empty row)
-    rewards[torch.arange(mask.size(0), device=mask.device), last] += scores * (mask.sum(-1) > 0)
-    return rewards
-
-
-def gae(rewards, values, mask, gamma=1.0, lam=0.95):
-    """
-    Generalized advantage estimation (Schulman et al. 2016, eqs. 11-16), backwards over each row's valid tokens:
-
-        delta_t = r_t + gamma V(s_{t+1}) - V(s_t),     A_t = delta_t + gamma lam A_{t+1},     R_t = A_t + V(s_t)
-
-    rewards, values, mask: (B, T); values[:, t] = V(s_t), the critic's estimate before token t is chosen. s_{t+1} is
-    the state of the next *valid* token: positions with mask 0 (prompt, forced tool output, padding) are not actions,
-    so they are skipped and the value is bootstrapped across them; after a row's last valid token V = 0 (the episode
-    ends). Rewards at mask-0 positions are ignored. gamma = lam = 1 with V = 0 gives A_t = the reward-to-go.
-    Returns (advantages, returns), (B, T), 0 where mask is 0.
-    """
-    valid = mask > 0
-    advantages = torch.zeros_like(rewards, dtype=torch.float32)
-    next_value = torch.zeros(rewards.size(0), device=rewards.device)  # V(s_{t+1}) of the next valid token
-    next_advantage = torch.zeros_like(next_value)  # A_{t+1}
-    for t in reversed(range(rewards.size(1))):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = delta + gamma * lam * next_advantage
-        advantages[:, t] = torch.where(valid[:, t], advantage, 0.0)
-        next_value = torch.where(valid[:, t], values[:, t].float(), next_value)
-        next_advantage = torch.where(valid[:, t], advantage, next_advantage)
-    returns = (advantages + values) * valid
-    return advantages, returns
-
-
-def value_loss(values, old_values, returns, mask, clip_eps=0.2, count=None):
-    """
-    PPO's clipped value loss (OpenAI baselines ppo2; OpenRLHF's ValueLoss), per token:
-
-        V_clip = V_old + clip(V - V_old, -clip_eps, clip_eps),     l_t = 0.5 max((V_clip - R_t)^2, (V - R_t)^2)
-
-    so a value step cannot profit from moving V further than clip_eps from where the rollout's critic had it.
-    values (B, T) with gradient; old_values, returns (B, T) detached. Token-mean over mask (N_tokens = `count`
-    when the batch is split into micro-batches, as in aggregate). Returns (loss, fraction of valid tokens whose
-    clipped term is the larger one, i.e. the token gets no gradient).
-    """
-    clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
-    unclipped_sq, clipped_sq = (values - returns).square(), (clipped - returns).square()
-    loss = aggregate(0.5 * torch.maximum(unclipped_sq, clipped_sq), mask, "token-mean", count=count)
-    valid = mask > 0
-    clip_frac = float(((clipped_sq > unclipped_sq) & valid).sum()) / max(int(valid.sum()), 1)
-    return loss, clip_frac
-
-
-def explained_variance(values, returns, mask):
-    """1 - Var[R - V] / Var[R] over valid tokens: 1 is a perfect critic, 0 one no better than a constant."""
-    valid = mask > 0
-    v, r = values[valid].float(), returns[valid].float()
-    if r.numel() < 2:
-        return float("nan")
-    return float(1 - (r - v).var() / r.var().clamp(min=1e-8))
-
-
-def normalize_scores(scores, eps=1e-6):
-    """
-    Per-batch normalisation of reward-model scores (N,): z = (s - mean(s)) / (std(s) + eps), population std, over
-    the step's completions (rl.py passes each rank's own). A reward model's scale and offset are arbitrary (only
-    differences are trained); fixing them per batch keeps the KL coefficient and the critic's targets on one scale.
-    (GRPO's std-scaled group advantages are unchanged by it; the KL term's weight relative to the reward is not.)
-    """
-    return (scores - scores.mean()) / (scores.std(unbiased=False) + eps)
-
-
-# -----------------------------------------------------------------------------
-# Rollouts
-
-
-def mix_seed(*numbers):
-    """A 63-bit seed from several values (base seed, step, rank, round): every call site gets its own stream."""
-    digest = hashlib.sha256(",".join(map(str, numbers)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def score_group(task, conversation, completions, tokenizer):
-    """
-    (rewards, errors) of one prompt's completions, lists of floats and bools (tasks.completion_reward): the
-    verifier's reward, 0 for an answer that ran into max_tokens, 0 and error True where the verifier failed.
-    """
-    scored = [completion_reward(task, conversation, completion_text(tokenizer, c), c.finish) for c in completions]
-    return [reward for reward, _ in scored], [error for _, error in scored]
-
-
-def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed, filter_zero_contrast=True,
-                  max_rounds=4, overlong_buffer=0, rank=0, world_size=1, oversample=1.0, temperature_of=None,
-                  on_group=None):
-    """
-    Roll out `num_groups` groups of `group_size` completions on this rank. Each round takes
-    ceil(oversample * num_groups) prompts of `task`, generates all their groups in one Engine.generate call, scores
-    them, and keeps groups in order until num_groups are kept (oversample > 1: more groups per call, so that fewer
-    rounds are needed when most groups have no contrast). The prompts of a whole step are one draw without
-    replacement (seeded by `seed`, which must be the same on every rank): round k of rank r takes chunk
-    k * world_size + r of it, so a step never holds the same prompt twice, across rounds or ranks; the sampling
-    noise differs per rank and round.
-
-    With filter_zero_contrast (DAPO's dynamic sampling), a group without contrast is dropped and sampling
-    continues, for at most max_rounds rounds (or until the task has no unseen prompt left): the batch may then come
-    back short, never with a zero-contrast group. Contrast is decided on the verifier's rewards of the completions
-    it scored without error (DAPO keeps 0 < accuracy < 1), never on shaped rewards: a group whose answers are all
-    right must not pass because one ran into the overlong buffer, or std scaling would turn a 1/64 length penalty
-    into full-size advantages. overlong_buffer > 0 then adds overlong_penalty to each reward of the kept groups:
-    within a group that has contrast, shaping moves each advantage by its penalty / the group's std.
-
-    Returns (groups, stats). A group is {"prompt": ids, "completions": [Completion], "rewards": [float] (shaped),
-    "errors": [bool] (the verifier failed: no reward, left out of training by learner_rows)}; stats are sums over
-    every sampled group, kept or not: the logs count the outcomes of filtered groups too.
-
-    temperature_of(conversation) -> float, optional (PTGS): each group's sampling temperature, drawn once before
-    generation; prompts of equal temperature share one generate call, and a kept group carries "temperature".
-    on_group(conversation, rewards, errors, kept), optional: called for every scored group, kept or dropped (the
-    per-source accounting and the PTGS posterior see the outcomes before zero-contrast groups are dropped).
-    """
-    if oversample < 1:
-        raise ValueError(f"oversample must be >= 1 (prompts per round = oversample x groups needed), "
-                         f"got {oversample}")
-    tokenizer = engine.tokenizer
-    per_round = math.ceil(oversample * num_groups)
-    draws = random.Random(seed).sample(range(len(task)), min(len(task), max_rounds * world_size * per_round))
-    groups = []
-    stats = dict.fromkeys(["groups", "completions", "reward_sum", "reward_sq_sum", "correct", "errors",
-                           "zero_contrast", "length_sum", "truncated", "rounds"], 0)
-    stats["length_max"] = 0
-    for round_index in range(max_rounds):
-        start = (round_index * world_size + rank) * per_round
-        indices = draws[start:start + per_round]
-        if not indices:  # every prompt of the task is already in this step
-            break
-        conversations = [task[i] for i in indices]
-        prompts = [tokenizer.render_for_completion(c) for c in conversations]
-        if temperature_of is None:
-            temperatures = [sampling["temperature"]] * len(prompts)
-            results = engine.generate(prompts, num_samples=group_size, max_tokens=max_tokens,
-                                      seed=mix_seed(seed, rank, round_index), **sampling)
-        else:
-            temperatures = [temperature_of(c) for c in conversations]
-            results = [None] * len(prompts)
-            for t in sorted(set(temperatures)):
-                same = [i for i, ti in enumerate(temperatures) if ti == t]
-                out = engine.generate([prompts[i] for i in same], num_samples=group_size, max_tokens=max_tokens,
-                                      seed=mix_seed(seed, rank, round_index, t), **{**sampling, "temperature": t})
-                for i, completions in zip(same, out):
-                    results[i] = completions
-        stats["rounds"] += 1
-        for conversation, prompt, completions, temperature in zip(conversations, prompts, results, temperatures):
-            rewards, errors = score_group(task, conversation, completions, tokenizer)
-            lengths = torch.tensor([len(c.tokens) for c in completions])
-            shaped = torch.tensor(rewards)
-            if overlong_buffer > 0:
-                shaped = shaped + overlong_penalty(lengths, max_tokens, overlong_buffer)
-            zero_contrast = len({r for r, error in zip(rewards, errors) if not error}) < 2
-            stats["groups"] += 1
-            stats["completions"] += len(completions)
-            stats["reward_sum"] += sum(rewards)
-            stats["reward_sq_sum"] += sum(r * r for r in rewards)
-            stats["correct"] += sum(r > 0 for r in rewards)
-            stats["errors"] += sum(errors)
-            stats["zero_contrast"] += zero_contrast
-            stats["length_sum"] += int(lengths.sum())
-            stats["length_max"] = max(stats["length_max"], int(lengths.max()))
-            stats["truncated"] += sum(c.finish == "length" for c in completions)
-            kept = len(groups) < num_groups and not (filter_zero_contrast and zero_contrast)
-            if on_group is not None:
-                on_group(conversation, rewards, errors, kept)
-            if kept:
-                groups.append({"prompt": prompt, "completions": completions, "rewards": shaped.tolist(),
-                               "errors": errors, **({"temperature": temperature} if temperature_of else {})})
-        if len(groups) == num_groups:
-            break
-    return groups, stats
-
-
-def _rollout_worker(ckpt, device, num_threads, task, sample_kwargs, jobs, results):
-    """The rollout process: its own copy of the model; one job = one step's groups with the weights it was sent."""
-    torch.set_num_threads(num_threads)
-    model, tokenizer, _ = load_model(ckpt, device)
-    engine = Engine(model, tokenizer)
-    while (job := jobs.get()) is not None:
-        step, version, state, seed = job
-        model.load_state_dict(state)
-        records = []  # (source, kept) of every scored group: the learner's per-source accounting
-        t0 = time.time()
-        with autocast_ctx(device):
-            groups, stats = sample_groups(engine, task, seed=seed, **sample_kwargs,
-                                          on_group=lambda c, rewards, errors, kept: records.append((c["source"], kept)))
-        for group in groups:
-            group["version"] = version
-        results.put((step, version, groups, stats, records, time.time() - t0))
-
-
-class RolloutWorker:
-    """
-    Overlapped rollouts (--async; AReaL, Fu et al. 2025; verl's one-step off-policy mode): a separate process with
-    its own copy of the model generates the groups of a step while the learner updates on the previous ones.
-    submit(step, version, model, seed) sends the learner's current weights (version: the number of updates behind
-    them) and asks for step's groups; result() waits for the next batch. Every group records the version that
-    sampled it (all its completions share it) and its completions the behavior log-probs of that version, so the learner's mismatch correction (mismatch_weights:
-    pi_learner / pi_behavior, truncated) covers the staleness as it covers the engine/trainer gap. With delay 1 the
-    loop submits step k + 1 with the weights of step k before it updates on step k; with delay 0 after the update:
-    the same batches as the synchronous loop, only in another process.
-    """
-
-    def __init__(self, ckpt, device, task, sample_kwargs):
-        context = torch.multiprocessing.get_context("spawn")
-        self.jobs, self.results = context.Queue(), context.Queue()
-        self.process = context.Process(target=_rollout_worker, daemon=True,
-                                       args=(str(ckpt), str(device), torch.get_num_threads(), task, sample_kwargs,
-                                             self.jobs, self.results))
-        self.process.start()
-
-    def submit(self, step, version, model, seed):
-        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        self.jobs.put((step, version, state, seed))
-
-    def result(self):
-        while True:
-            try:
-                return self.results.get(timeout=10)
-            except queue.Empty:
-                if not self.process.is_alive():
-                    raise RuntimeError(f"the rollout worker died (exit code {self.process.exitcode})") from None
-
-    def close(self):
-        self.jobs.put(None)
-        self.process.join(timeout=30)
-
-
-# -----------------------------------------------------------------------------
-# The learner's view of a rollout
-
-
-def learner_rows(groups, group_size, adv_scale, adv_baseline, mask_truncated, raw_rewards=False):
-    """
-    One row per completion: (ids, mask, behavior_logprobs, advantage), ids = prompt + completion tokens exactly as
-    sampled, mask 0 on the prompt and on forced tool output (and on the whole completion if it hit max_tokens and
-    mask_truncated is set), behavior_logprobs the engine's log-prob of each token (0 on the prompt).
-    A completion the verifier failed on (group["errors"], optional) is dropped from training: mask 0, advantage 0,
-    and its group's baseline and std are those of the others (group_advantages' valid).
-    raw_rewards: the last element is the completion's reward instead (--advantage gae turns it into per-token ones).
-    """
-    if not groups:
-        return []
-    rewards = torch.tensor([r for g in groups for r in g["rewards"]])
-    errors = [error for g in groups for error in g.get("errors", [False] * len(g["rewards"]))]
-    advantages = rewards.tolist() if raw_rewards else group_advantages(
-        rewards, group_size, scale=adv_scale, baseline=adv_baseline,
-        valid=~torch.tensor(errors, dtype=torch.bool)).tolist()
-    rows = []
-    for g, group in enumerate(groups):
-        for j, completion in enumerate(group["completions"]):
-            keep = not (mask_truncated and completion.finish == "length") and not errors[g * group_size + j]
-            mask = [0] * len(group["prompt"]) + [m * keep for m in completion.mask]
-            behavior = [0.0] * len(group["prompt"]) + completion.logprobs
-            rows.append((group["prompt"] + completion.tokens, mask, behavior, advantages[g * group_size + j]))
-    return rows
-
-
-def collate_rollouts(rows, pad_id, device):
-    """
-    Micro-batch tensors of learner rows, aligned for next-token prediction (position t predicts ids[t + 1]):
-    inputs, targets (B, T) from tasks.collate (target -1 where not trained), mask (B, T) float,
-    behavior (B, T) the engine's log-prob of targets[:, t], advantages (B,); rows with a fifth element, the
-    temperature their group was sampled at (PTGS), also give temperature (B,).
-    """
-    inputs, targets = collate([(ids, mask) for ids, mask, *_ in rows], pad_id)
-    behavior = torch.zeros(targets.shape)
-    for b, (ids, _, logprobs, *_) in enumerate(rows):
-        behavior[b, :len(ids) - 1] = torch.tensor(logprobs[1:])
-    micro = {"inputs": inputs.to(device), "targets": targets.to(device), "mask": (targets >= 0).float().to(device),
-             "behavior": behavior.to(device), "advantages": torch.tensor([row[3] for row in rows]).to(device)}
-    if rows and len(rows[0]) > 4:
-        micro["temperature"] = torch.tensor([row[4] for row in rows], dtype=torch.float32).to(device)
-    return micro
-
-
-def reference_sampling(sampling):
-    """
-    The distributions the KL penalty compares: the sampling temperature without the top-k/top-p cut. Truncation is
-    a decoding choice, not part of either model; a truncated reference gives the tokens outside its support
-    log-prob LOGP_FLOOR (an infinite KL, floored). Scoring the policy's side the same way keeps the KL 0 at equal
-    weights; it costs a second forward pass of the policy when --top-k/--top-p are set.
-    """
-    return {**sampling, "top_k": None, "top_p": None}
-
-
-def token_logprobs(model, inputs, targets, sampling):
-    """
-    (logp, entropy), both (B, T): the log-prob of each target token under the distribution the engine samples
-    from (engine.sampling_logprobs: same temperature, top-k, top-p) and that distribution's entropy (no gradient).
-    Computed a chunk of positions at a time (GPT.chunked_logits): the (B, T, V) logits never exist whole.
-    sampling["temperature"] may be a tensor (B,), one per row (PTGS): the logits are divided by it first, which is
-    what sampling_logprobs does with a scalar before its top-k/top-p cut.
-    """
-    row_temperature = ()
-    if torch.is_tensor(sampling["temperature"]):  # per row: expanded to every position, chunked like the targets
-        row_temperature = (sampling["temperature"].to(inputs.device, torch.float32)[:, None].expand(targets.shape),)
-        sampling = {**sampling, "temperature": 1.0}
-
-    def score(logits, target, *temperature):  # (N, V), (N,), optionally (N,)
-        if temperature:
-            logits = logits / temperature[0][:, None]
-        logprobs = sampling_logprobs(logits, **sampling)  # (N, V)
-        logp = logprobs.gather(-1, target.clamp(min=0)[:, None]).squeeze(-1).clamp(min=LOGP_FLOOR)  # (N,)
-        entropy = torch.special.entr(logprobs.detach().exp()).sum(-1)  # (N,); entr(0) = 0 where top-k/top-p cut
-        return logp, entropy
-
-    with autocast_ctx(inputs.device):
-        return model.chunked_logits(model.hidden(inputs), score, targets, *row_temperature)
-
-
-@torch.no_grad()
-def reward_model_scores(reward_model, groups, pad_id, device, batch_tokens):
-    """
-    The reward model's raw score of every completion of `groups` (prompt + completion tokens, as sampled), read at
-    the completion's last token (its <|assistant_end|>, or where max_tokens cut it), in group order: (N,) float.
-    Scored in micro-batches of at most batch_tokens padded positions (tasks.token_budget_batches).
-    """
-    sequences = [group["prompt"] + completion.tokens for group in groups for completion in group["completions"]]
-    scores = torch.zeros(len(sequences), device=device)
-    for batch in token_budget_batches([[len(s)] for s in sequences], batch_tokens)[0]:
-        ids, lengths = pad_sequences([sequences[i] for i in batch], pad_id)
-        with autocast_ctx(device):
-            values = reward_model(ids.to(device))  # (B, T)
-        scores[batch] = values.gather(1, (lengths.to(device) - 1)[:, None]).squeeze(1).float()
-    return scores
-
-
-def all_reduce_gradients(model):
-    """
-    Sum gradients over ranks. Not DistributedDataParallel: dynamic sampling leaves ranks with different numbers
-    of micro-batches, and DDP's per-backward all-reduce would have to be paired up across ranks.
-    """
-    for p in model.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
-
-
-def reduce_tally(tally, device):
-    """
-    A step's tally summed over ranks (keys ending in _min / _max: the min / max). Every rank must pass the same
-    keys in the same order.
-    """
-    if not dist.is_initialized():
-        return tally
-    reduced = {}
-    for op, keys in ((dist.ReduceOp.SUM, [k for k in tally if not k.endswith(("_min", "_max"))]),
-                     (dist.ReduceOp.MIN, [k for k in tally if k.endswith("_min")]),
-                     (dist.ReduceOp.MAX, [k for k in tally if k.endswith("_max")])):
-        values = torch.tensor([float(tally[k]) for k in keys], dtype=torch.float64, device=device)
-        dist.all_reduce(values, op=op)
-        reduced.update(zip(keys, values.tolist()))
-    return reduced
-
-
-def load_task(name, split, size):
-    if name == "synthetic":
-        return SyntheticTask(split, size=size, seed=0)
-    if name == "gsm8k":
-        return GSM8K(split, size=size)
-    if name == "ultrafeedback":  # prompts only, no verifier: for --reward rm
-        return UltraFeedbackPrompts("train_prefs" if split == "train" else "test_prefs", size=size)
-    raise ValueError(f"unknown task {name!r}; expected 'synthetic', 'gsm8k' or 'ultrafeedback'")
-
-
-# -----------------------------------------------------------------------------
-# RL systems (issue 13): task mixtures with per-source accounting, decontamination, difficulty filtering, PTGS
-
-
-def parse_task_mixture(spec):
-    """
-    '--task' as [(name, weight)]: 'synthetic' -> [('synthetic', 1.0)]; 'synthetic:1,gsm8k:2' -> two sources,
-    weights relative. Raises ValueError on an unknown name, a repeated one or a weight that is not > 0.
-    """
-    sources = []
-    for part in spec.split(","):
-        name, _, weight = part.strip().partition(":")
-        try:
-            weight = float(weight) if weight else 1.0
-        except ValueError:
-            raise ValueError(f"--task {spec!r}: weight {weight!r} of {name!r} is not a number") from None
-        if name not in ("synthetic", "gsm8k", "ultrafeedback"):
-            raise ValueError(f"--task {spec!r}: unknown task {name!r}; expected synthetic, gsm8k or ultrafeedback "
-                             "(name:weight, ...)")
-        if not weight > 0 or name in dict(sources):
-            raise ValueError(f"--task {spec!r}: each task once, with a weight > 0 (got {name!r}: {weight})")
-        sources.append((name, weight))
-    return sources
-
-
-class PromptMixture:
-    """
-    The prompts of one or more tasks as one task: mixture[k] is a conversation with "source" (the task's name) and
-    "task_id" ('name/row', the recurring id PTGS keys on); reward() asks that source's verifier. Weights are
-    shares of the prompts: source s keeps the first floor(share_s * N) of its rows with N the largest total for
-    which no source repeats a row (so a step still never holds one prompt twice). One source keeps every row in
-    its own order: position k is row k, as with the task itself.
-    """
-
-    def __init__(self, sources):
-        self.tasks = {name: task for name, task, _ in sources}
-        total = sum(weight for _, _, weight in sources)
-        size = min(len(task) * total / weight for _, task, weight in sources)
-        self.rows = [(name, i) for name, task, weight in sources
-                     for i in range(len(task) if len(sources) == 1 else int(size * weight / total))]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, k):
-        name, i = self.rows[k]
-        return {**self.tasks[name][i], "source": name, "task_id": f"{name}/{i}"}
-
-    def reward(self, conversation, completion):
-        return self.tasks[conversation["source"]].reward(conversation, completion)
-
-    def keep(self, positions):
-        """The mixture restricted to `positions` (after decontamination or the difficulty filter)."""
-        kept = PromptMixture.__new__(PromptMixture)
-        kept.tasks, kept.rows = self.tasks, [self.rows[k] for k in positions]
-        return kept
-
-    def counts(self):
-        """{source name: prompts}."""
-        return {name: sum(source == name for source, _ in self.rows) for name in self.tasks}
-
-
-def decontaminate_prompts(mixture, index):
-    """(the mixture without prompts that overlap an evaluation set, {source: prompts dropped}); see tasks.NgramIndex."""
-    dirty = [index.contaminated(mixture[k]) for k in range(len(mixture))]
-    dropped = {name: sum(d and mixture.rows[k][0] == name for k, d in enumerate(dirty)) for name in mixture.tasks}
-    return mixture.keep([k for k, d in enumerate(dirty) if not d]), dropped
-
-
-def difficulty_keep(successes, n, low, high):
-    """
-    The difficulty filter's rule: keep a prompt whose success rate c / n over n samples lies strictly inside
-    (low, high). A prompt the start model always or never solves gives every group zero contrast, so no gradient.
-    successes: counts per prompt. Returns a list of bools.
-    """
-    if not 0 <= low < high <= 1:
-        raise ValueError(f"--difficulty-filter needs 0 <= LOW < HIGH <= 1, got {low} {high}")
-    return [low < c / n < high for c in successes]
-
-
-def difficulty_filter(engine, mixture, n, low, high, max_tokens, sampling, seed, cache):
-    """
-    Sample n answers to every prompt of the mixture with the starting checkpoint and keep those with
-    difficulty_keep. Prints the histogram of success counts and the kept count. The counts are cached in `cache`
-    (a json file whose name keys the checkpoint, task, n and sampling) and reused when it exists.
-    Returns (the kept mixture, the success counts).
-    """
-    if cache.exists():
-        successes = json.loads(cache.read_text())["successes"]
-        print0(f"difficulty filter: success counts of {len(successes)} prompts from {cache}")
-    else:
-        result = evaluate_generative(engine, mixture, list(range(len(mixture))), num_samples=n, ks=(1,),
-                                     max_tokens=max_tokens, seed=seed, label="difficulty filter", **sampling)
-        successes = result["correct"].tolist()
-        if get_dist_info()[1] == 0:
-            cache.write_text(json.dumps({"successes": successes}))
-    if len(successes) != len(mixture):
-        raise ValueError(f"{cache} holds {len(successes)} counts for {len(mixture)} prompts; delete it")
-    keep = difficulty_keep(successes, n, low, high)
-    histogram = Counter(successes)
-    print0("difficulty filter: successes out of {n}: ".format(n=n)
-           + " ".join(f"{c}:{histogram[c]}" for c in range(n + 1)))
-    print0(f"difficulty filter: kept {sum(keep)} of {len(mixture)} prompts with success rate in ({low}, {high})")
-    return mixture.keep([k for k, kept in enumerate(keep) if kept]), successes
-
-
-class TemperatureController:
-    """
-    PTGS, per-task exploration temperature. For each recurring task id it keeps discounted success and failure
-    counts, updated from a group's outcomes as  s <- gamma s + successes,  f <- gamma f + failures  (gamma = 1: plain
-    counts; 0: only the last group). Before a group is generated it draws p ~ Beta(a + s, b + f), with the prior
-    a = k q, b = k (1 - q) centred on the target success rate q (k = prior_strength), and maps the draw to
-
-        T = T_ref * tau ** ((q - p) / q)          if p <= q   (a hard task: up to T_ref * tau, explore more)
-        T = T_ref * tau ** ((q - p) / (1 - q))    if p > q    (an easy task: down to T_ref / tau, sharpen)
-
-    so T = T_ref at p = q. With q = 0.5, tau = 1.5, T_ref = 1 the draws 0.1, 0.5, 0.9 give 1.5^0.8 = 1.383,
-    1.000 and 1.5^-0.8 = 0.723. The state (counts and the RNG) goes into the checkpoint.
-    """
-
-    def __init__(self, target=0.5, tau=1.5, t_ref=1.0, gamma=0.9, prior_strength=2.0, seed=0):
-        if not 0 < target < 1 or not tau >= 1 or not t_ref > 0 or not 0 <= gamma <= 1 or not prior_strength > 0:
-            raise ValueError(f"PTGS needs 0 < q < 1, tau >= 1, T_ref > 0, 0 <= gamma <= 1, prior > 0; got q {target}, "
-                             f"tau {tau}, T_ref {t_ref}, gamma {gamma}, prior {prior_strength}")
-        self.target, self.tau, self.t_ref, self.gamma, self.prior_strength = target, tau, t_ref, gamma, prior_strength
-        self.counts = {}  # task id -> [s, f]
-        self.rng = random.Random(seed)
-
-    def temperature(self, p):
-        q = self.target
-        return self.t_ref * self.tau ** ((q - p) / (q if p <= q else 1 - q))
-
-    def draw(self, task_id):
-        s, f = self.counts.get(task_id, (0.0, 0.0))
-        a, b = self.prior_strength * self.target, self.prior_strength * (1 - self.target)
-        return self.temperature(self.rng.betavariate(a + s, b + f))
-
-    def update(self, task_id, successes, failures):
-        s, f = self.counts.get(task_id, (0.0, 0.0))
-        self.counts[task_id] = [self.gamma * s + successes, self.gamma * f + failures]
-
-    def state_dict(self):
-        return {"counts": self.counts, "rng": self.rng.getstate()}
-
-    def load_state_dict(self, state):
-        self.counts = {k: list(v) for k, v in state["counts"].items()}
-        version, internal, gauss = state["rng"]
-        self.rng.setstate((version, tuple(internal), gauss))
-
-
-SOURCE_FIELDS = ("groups_dispatched", "groups_completed", "groups_kept", "valid_tokens", "loss_mass")
-
-
-def source_tally(sources):
-    """Zeroed per-source counters, one flat key per (source, field): the same keys on every rank (reduce_tally)."""
-    return {f"source/{name}/{field}": 0.0 for name in sources for field in SOURCE_FIELDS}
-
-
-def account_kept_groups(tally, groups, sources, group_size, adv_scale, adv_baseline, mask_truncated):
-    """
-    Per source, the kept groups' valid tokens (mask 1) and their loss mass: sum over valid tokens of |A|, the
-    weight each source has in the token-mean policy gradient. Adds to tally (source_tally keys).
-    """
-    for name in set(sources):
-        mine = [g for g, source in zip(groups, sources) if source == name]
-        for _, mask, _, advantage in learner_rows(mine, group_size, adv_scale, adv_baseline, mask_truncated):
-            tally[f"source/{name}/valid_tokens"] += sum(mask)
-            tally[f"source/{name}/loss_mass"] += abs(advantage) * sum(mask)
-
-
-# -----------------------------------------------------------------------------
+                             extra, ddp=False)
+    why = f"pass@1 {pass_rate:.0%} assumed, slowest of {hw['gpus']} rank(s)" if filtered else "no contrast filter"
+    return dict(stage_plan("rl", args.preset, config, micro, LOGITS_CHUNK_TOKENS, tokens, passes, decode_tokens=decode,
+                           extra_bytes=extra, ddp=False, phase_bytes=rollout,
+                           note=f"{rounds:.2f} sampling rounds per step ({why}), --oversample {args.oversample:g}"),
+                sampling_rounds=rounds)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = parser.add_argument
     add_stage_flags(parser, PRESETS, preset="fills the defaults below; explicit flags win",
                     seed="seeds prompt draws and sampling", run="wandb run name ('dummy': no wandb)",
                     ckpt="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/dpo)",
                     out="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)",
                     resume="continue from the latest checkpoint in --out; exit if it is finished")
-    # data and rollouts
-    add("--task", help="training prompts and verifier: synthetic, gsm8k, ultrafeedback (prompts with no verifier, for "
-                       "--reward rm), or a weighted mixture 'synthetic:1,gsm8k:1' (weights are shares of the prompts; "
-                       "logs count each source apart); held-out splits evaluated")
-    add("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
-        help="drop training prompts that overlap an evaluation set in use (tasks.NgramIndex, 13-grams); default on "
-             "for full, off for tiny (the synthetic family is split by question hash)")
-    add("--difficulty-filter", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
-        help="before RL, sample --difficulty-samples answers per training prompt with the start checkpoint and keep "
-             "prompts whose success rate is strictly inside (LOW, HIGH), e.g. 0.1 0.9 (cached in the checkpoint)")
-    add("--difficulty-samples", type=int, default=16, help="answers per prompt for --difficulty-filter")
-    add("--ptgs", action="store_true",
-        help="per-task sampling temperature (PTGS, see TemperatureController); the learner scores each group at its "
-             "temperature, around the pivot --temperature")
-    add("--ptgs-target", type=float, default=0.5, help="PTGS target success rate q (the prior's mean, the pivot)")
-    add("--ptgs-tau", type=float, default=1.5, help="PTGS temperature range: T in [T_ref / tau, T_ref * tau]")
-    add("--ptgs-gamma", type=float, default=0.9, help="PTGS discount of a task's past successes and failures")
-    add("--ptgs-prior", type=float, default=2.0, help="PTGS prior strength k: Beta(k q, k (1 - q))")
-    add("--async", dest="async_rollouts", action="store_true",
-        help="overlapped rollouts: a worker process generates step k + 1 with the weights of step k while the learner "
-             "updates on step k (one step off policy; see RolloutWorker)")
-    add("--async-delay", type=int, choices=(0, 1), default=1,
-        help="policy versions between sampler and learner under --async (0: no overlap, the synchronous batches)")
-    add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
-    add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
-    add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
-    add("--group-size", type=int, help="completions sampled per prompt (G)")
-    add("--max-tokens", type=int, help="generation budget per completion, forced tool output included")
-    add("--temperature", type=float, default=1.0, help="sampling temperature; the learner scores at the same one")
-    add("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
-    add("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1, no cut)")
-    add("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
-        help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
-    add("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
-    add("--oversample", type=float,
-        help="prompts per sampling round = oversample x the groups needed, all in one generate call; the first "
-             "groups with contrast are kept (e.g. 2-3 when most groups have none; 1: off; preset tiny 1, small and "
-             "full 2)")
-    add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
-    add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
-    # advantages and loss
-    add("--adv-scale", choices=["std", "none"], default="std", help="std: GRPO; none: Dr. GRPO")
-    add("--adv-baseline", choices=["mean", "loo"], default="mean", help="mean: GRPO; loo: RLOO leave-one-out")
-    add("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see policy_loss)")
-    add("--eps-low", type=float, default=None,
-        help="lower clip: ratio >= 1 - eps_low (default per --loss, see LOSS_DEFAULTS: ppo 0.2, gspo 3e-4, cispo 1)")
-    add("--eps-high", type=float, default=None,
-        help="upper clip: ratio <= 1 + eps_high (default per --loss: ppo 0.28 clip-higher, gspo 4e-4, cispo 0.28)")
-    add("--dual-clip", type=float, default=None,
-        help="cap the loss of negative-advantage tokens at -c A, c > 1 (e.g. 3; ppo and gspo)")
-    add("--loss-agg", choices=AGGREGATIONS, default=None,
-        help="how token losses are averaged (default per --loss: token-mean, gspo seq-mean-token-mean)")
-    add("--kl-coef", type=float, default=None,
-        help="KL(pi || pi_ref) penalty weight, on the untruncated temperature-scaled distributions even with "
-             "--top-k/--top-p (reference_sampling); 0 loads no reference model (default: 0, or 0.05 with --reward rm: "
-             "a learned reward can be exploited, a verifier cannot)")
-    add("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see kl_penalty)")
-    add("--mismatch", choices=["none", "tis", "mask"], default="tis",
-        help="engine/trainer log-prob mismatch correction (see mismatch_weights)")
-    add("--tis-cap", type=float, default=2.0, help="truncation of the importance weight (--mismatch tis)")
-    add("--mask-window", type=float, nargs=2, default=(0.5, 2.0), metavar=("LOW", "HIGH"),
-        help="drop tokens whose trainer/engine probability ratio leaves [LOW, HIGH] (--mismatch mask)")
-    add("--kl-placement", choices=["loss", "reward"], default=None,
-        help="loss: kl_coef * KL(kl-kind) added to the policy loss (GRPO); reward: -kl_coef * (logp - ref_logp) on "
-             "every token's reward (PPO-RLHF, token_rewards; needs --advantage gae). Default: reward with gae, else loss")
-    # reward model and critic
-    add("--reward", choices=["verifier", "rm"], default="verifier",
-        help="verifier: the task's exact check; rm: the --rm-ckpt reward model's score of each completion, normalised "
-             "per batch (normalize_scores); the verifier then only measures (reward/accuracy, held-out pass@1)")
-    add("--rm-ckpt", default=None, help="reward model checkpoint of rm.py (--reward rm)")
-    add("--advantage", choices=["group", "gae"], default="group",
-        help="group: group_advantages (GRPO/RLOO); gae: PPO with a critic (a copy of the policy trunk with a scalar "
-             "head), per-token rewards and generalized advantage estimation, advantages whitened per batch")
-    add("--gamma", type=float, default=1.0, help="discount of GAE (--advantage gae)")
-    add("--lam", type=float, default=0.95, help="lambda of GAE (--advantage gae)")
-    add("--value-clip", type=float, default=0.2, help="the critic's clip range eps_v (see value_loss)")
-    add("--critic-lr-frac", type=float, default=None,
-        help="the critic's learning rates as a fraction of pretraining's (default: 2x --lr-frac)")
-    # optimization
-    add("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
-    add("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
-    add("--device-batch-tokens", type=int, help="padded positions (sequences x longest) per forward/backward; at "
-        "least the longest prompt + --max-tokens (tiny 8,192: the old 64 sequences of <= 128 tokens; full 16,384: "
-        "16 sequences of a ~500-token prompt and a 512-token answer)")
-    add("--lr-frac", type=float, help="learning rates as a fraction of pretraining's (Muon + AdamW)")
-    add("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
-    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
-    # evaluation and saving
-    add("--eval-every", type=int, help="held-out evaluation every N steps (and at the start and the end)")
-    add("--eval-problems", type=int, help="held-out problems evaluated")
-    add("--eval-samples", type=int, help="samples per held-out problem: pass@1 and pass@N")
-    add("--eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
-    add("--save-every", type=int, help="checkpoint every N steps, for --resume")
-    add("--dry-run", action="store_true", help="build the model, optimizers and data, print the plan and stop")
-    args = parser.parse_args(argv)
-    args.fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    filled = {key: value for key, value in LOSS_DEFAULTS[args.loss].items() if getattr(args, key) is None}
-    for key, value in filled.items():
-        setattr(args, key, value)
-    if filled:
-        print0(f"loss {args.loss}: paper defaults " + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
-                                                                 for k, v in filled.items()))
-    if args.loss == "pg" and (args.epochs > 1 or args.minibatches > 1):
-        raise ValueError(f"--loss pg is on-policy REINFORCE (no old log-probs, no clipping), but --epochs "
-                         f"{args.epochs} / --minibatches {args.minibatches} > 1 update on data from older weights; "
-                         "use --loss ppo (or cispo) for several updates per batch")
-    if args.dual_clip is not None and not args.dual_clip > 1:
-        raise ValueError(f"--dual-clip must be > 1 (the loss of a negative-advantage token is capped at -c A), "
-                         f"got {args.dual_clip}")
-    if args.kl_coef is None:
-        args.kl_coef = 0.05 if args.reward == "rm" else 0.0
-    if args.kl_placement is None:
-        args.kl_placement = "reward" if args.advantage == "gae" else "loss"
-    if args.kl_placement == "reward" and args.advantage != "gae":
-        parser.error("--kl-placement reward needs --advantage gae (group advantages take the KL as a loss term)")
-    if args.reward == "rm" and args.rm_ckpt is None:
-        parser.error("--reward rm needs --rm-ckpt PATH (a checkpoint written by rm.py)")
-    if args.reward == "rm" and args.overlong_buffer:
-        parser.error("--overlong-buffer shapes verifier rewards; it does not apply to --reward rm")
-    if args.critic_lr_frac is None:
-        args.critic_lr_frac = 2 * args.lr_frac
-    parse_task_mixture(args.task)  # a bad --task fails before any model is loaded
-    if args.async_rollouts and args.ptgs:
-        raise ValueError("--async with --ptgs is not supported: the controller would draw in the worker from a "
-                         "posterior the learner updates; use one or the other")
-    return args
+    add_flags(parser)
+    parser.add_argument("--adv-scale", choices=["std", "none"], default="std", help="std: GRPO; none: Dr. GRPO")
+    parser.add_argument("--adv-baseline", choices=["mean", "loo"], default="mean",
+                        help="mean: GRPO; loo: RLOO leave-one-out")
+    return finish_args(parser, parser.parse_args(argv))
 
 
 def main(argv=None):
@@ -1074,13 +168,12 @@ def main(argv=None):
     ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
     if args.prompts_per_step % world_size:
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} is not divisible by the {world_size} ranks")
-    groups_per_rank = args.prompts_per_step // world_size
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     truncated = args.top_k is not None or args.top_p is not None  # the KL then needs its own untruncated scoring
     ckpt = Path(args.ckpt) if args.ckpt else checkpoint_dir("dpo")
     out = Path(args.out) if args.out else checkpoint_dir("rl")
 
-    # Model: the previous stage's checkpoint, or our own to resume from.
+    # Model: the previous stage's checkpoint, or our own to resume from; the frozen reference and reward models.
     resume = resume_or_finish(out, args.resume, "rl")  # the newest whole step folder, or None
     if resume is FINISHED:
         return
@@ -1089,52 +182,25 @@ def main(argv=None):
     if args.kl_coef > 0:
         ref_model, _, _ = load_model(ckpt, device)
         ref_model.requires_grad_(False)
-    reward_model = critic = None
-    if args.reward == "rm":  # frozen: scores the rollouts
-        reward_model, rm_tokenizer, rm_meta = load_model(args.rm_ckpt, device)
-        if not rm_meta.get("reward_model") or rm_tokenizer.encode("a test 123") != tokenizer.encode("a test 123") \
-                or rm_tokenizer.vocab_size != tokenizer.vocab_size:
-            raise ValueError(f"--rm-ckpt {args.rm_ckpt} is not a reward model of this policy's tokenizer; "
-                             "train one with rm.py from the same SFT checkpoint")
-        reward_model.requires_grad_(False)
-    if args.advantage == "gae":  # the critic: a copy of the policy's trunk with a zero scalar head, trained below
-        critic = ScalarHeadModel(load_model(out if resume else ckpt, device)[0]).to(device).train()
+    reward_model = load_reward_model(args, tokenizer, device)
     engine = Engine(model, tokenizer)
     pad_id = tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
     print0(f"model: {model.num_params():,} parameters from {out if resume else ckpt} on {device}, {world_size} rank(s)")
 
-    # Data: training prompts and the held-out problems.
-    sources = parse_task_mixture(args.task)
-    train_task = PromptMixture([(name, load_task(name, "train", args.train_size), w) for name, w in sources])
-    test_task = PromptMixture([(name, load_task(name, "test", args.eval_problems), w) for name, w in sources])
-    eval_indices = list(range(min(args.eval_problems, len(test_task))))
-    decontaminated = {}
-    if args.decontaminate:  # against the preset's evaluation sets and the held-out problems evaluated here
-        index = NgramIndex(evaluation_texts(args.preset) + [text for i in range(len(test_task))
-                                                            for text in row_texts(test_task[i])[:1]])
-        train_task, decontaminated = decontaminate_prompts(train_task, index)
-        print0(f"decontamination: dropped training prompts per source {decontaminated}")
-    if len(sources) > 1:
-        print0(f"mixture: training prompts per source {train_task.counts()}")
-    print0(f"task {args.task}: {len(train_task):,} training prompts, {len(eval_indices)} held-out problems; "
-           f"{args.prompts_per_step} prompts x {args.group_size} samples per step ({groups_per_rank} prompts per rank)")
-
+    # Data: training prompts (mixture, decontamination) and the held-out problems.
+    train_task, test_task, eval_indices, decontaminated = prepare_prompts(args, world_size)
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
-    critic_optimizers = []
-    if critic is not None:
-        f = args.critic_lr_frac
-        critic_optimizers = critic.setup_optimizers(matrix_lr=MATRIX_LR * f, embedding_lr=EMBEDDING_LR * f,
-                                                    unembedding_lr=UNEMBEDDING_LR * f)
     longest_prompt = max(len(tokenizer.render_for_completion(train_task[i])) for i in range(min(64, len(train_task))))
     print0(f"plan: {args.num_steps} steps; each samples {args.prompts_per_step} x {args.group_size} completions of <= "
-           f"{args.max_tokens} tokens per round (<= {args.max_sampling_rounds} rounds), then {args.epochs} epoch(s) x {args.minibatches} minibatch(es) of "
-           f"optimizer steps; loss {args.loss} ({args.loss_agg}), advantages {args.adv_scale}/{args.adv_baseline}, "
-           f"KL {args.kl_coef} ({args.kl_placement}), mismatch {args.mismatch}; reward {args.reward}, advantage "
-           f"{args.advantage}; prompts up to {longest_prompt} + {args.max_tokens} tokens "
+           f"{args.max_tokens} tokens per round (<= {args.max_sampling_rounds} rounds), then {args.epochs} epoch(s) "
+           f"x {args.minibatches} minibatch(es) of optimizer steps; loss {args.loss} ({args.loss_agg}), advantages "
+           f"{args.adv_scale}/{args.adv_baseline}, KL {args.kl_coef}, mismatch {args.mismatch}; reward "
+           f"{args.reward}; prompts up to {longest_prompt} + {args.max_tokens} tokens "
            f"(model context {model.config.sequence_len})")
-    held = kv_cache_bytes(model.config, math.ceil(groups_per_rank * args.oversample) * args.group_size,
-                          longest_prompt + args.max_tokens) + (4 * model.num_params() if ref_model is not None else 0)
+    held = kv_cache_bytes(model.config, math.ceil(args.prompts_per_step // world_size * args.oversample)
+                          * args.group_size, longest_prompt + args.max_tokens)
+    held += 4 * model.num_params() if ref_model is not None else 0
     args.device_batch_tokens = batch_tokens_for_device("rl", None if args.fit_batch else args.device_batch_tokens,
                                                        device, model.config, args.device_batch_tokens,
                                                        longest_prompt + args.max_tokens, LOGITS_CHUNK_TOKENS, held)
@@ -1144,203 +210,60 @@ def main(argv=None):
         print0("dry run: model, optimizers and data are built; stopping before the first rollout")
         compute_cleanup()
         return
-    if args.difficulty_filter:  # computed once with the start checkpoint and cached in its folder
-        key = mix_seed(args.task, args.train_size, args.decontaminate, args.difficulty_samples, args.max_tokens,
-                       sorted(sampling.items()), args.seed)
-        cache = resolve_checkpoint(ckpt) / f"difficulty_{key:016x}.json"
-        if resume and not cache.exists():
-            raise ValueError(f"--difficulty-filter on resume needs the start checkpoint's counts {cache}; rerun from "
-                             "the start checkpoint without --resume")
-        with autocast_ctx(device):
-            train_task, _ = difficulty_filter(engine, train_task, args.difficulty_samples, *args.difficulty_filter,
-                                              args.max_tokens, sampling, mix_seed(args.seed, "difficulty"), cache)
-        if len(train_task) < args.prompts_per_step:
-            raise ValueError(f"the difficulty filter kept {len(train_task)} prompts, fewer than --prompts-per-step "
-                             f"{args.prompts_per_step}; widen (LOW, HIGH) or add prompts")
-    ptgs = None
-    if args.ptgs:
-        ptgs = TemperatureController(args.ptgs_target, args.ptgs_tau, args.temperature, args.ptgs_gamma,
-                                     args.ptgs_prior, seed=mix_seed(args.seed, "ptgs", rank))
-    start_step, history = 0, []
-    source_totals = Counter()  # per-source sums over the run's steps, for the report (checkpointed)
+    train_task = difficulty_prompts(args, engine, train_task, ckpt, resume, sampling)
+    start_step, history, source_totals, extra = 0, [], Counter(), {}  # source_totals: the run's sums, checkpointed
     if resume:
         _, _, extra = load_checkpoint(resume, device=device)
         for optimizer, state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(state)
         start_step, history = extra["step"], extra["history"]
         source_totals.update(extra["source_totals"])
-        if critic is not None:
-            critic.load_state_dict(extra["critic"])
-            for optimizer, state in zip(critic_optimizers, extra["critic_optimizers"]):
-                optimizer.load_state_dict(state)
-        if ptgs is not None:
-            ptgs.load_state_dict(extra["ptgs"])
         print0(f"resuming at step {start_step}")
-
-    def evaluate(step):
-        result = evaluate_generative(engine, test_task, eval_indices, num_samples=args.eval_samples,
-                                     ks=(1, args.eval_samples), max_tokens=args.max_tokens,
-                                     temperature=args.eval_temperature, top_k=args.top_k, top_p=args.top_p,
-                                     seed=mix_seed(args.seed, "eval"))
-        k = f"pass@{args.eval_samples}"
-        record = {"step": step, "pass@1": result["pass@1"], k: result[k], "errors": result["errors"],
-                  "truncated": result["truncated"]}
-        if reward_model is not None:  # the optimised reward model's view, next to the verifier's: do they part?
-            with autocast_ctx(device):
-                groups, _ = sample_groups(engine, test_task, len(eval_indices), 1, args.max_tokens, sampling,
-                                          seed=mix_seed(args.seed, "eval-rm"), filter_zero_contrast=False,
-                                          max_rounds=1)
-            record["rm_score"] = float(reward_model_scores(reward_model, groups, pad_id, device,
-                                                           args.device_batch_tokens).mean())
-        print0(f"eval step {step}: pass@1 {record['pass@1']:.4f}, {k} {record[k]:.4f}"
-               + (f", reward-model score {record['rm_score']:+.3f}" if "rm_score" in record else ""))
-        return record
-
     logger = Logger(args.run, vars(args))
     if start_step == 0:
-        history.append(evaluate(0))
+        history.append(evaluate_held_out(engine, test_task, eval_indices, args, 0, reward_model))
         logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=0)
+    # The worker of --async loads the checkpoint the policy came from (out on resume); weights come per job.
+    rollouts = Rollouts(args, engine, train_task, out if resume else ckpt, start_step, reward_model,
+                        adv=(args.adv_scale, args.adv_baseline), ptgs_state=extra.get("ptgs"))
 
     def save(step, finished):
         if rank != 0:
             return
-        extra = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
+        state = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
                  "source_totals": dict(source_totals)}
-        if critic is not None:
-            extra.update(critic=critic.state_dict(), critic_optimizers=[o.state_dict() for o in critic_optimizers])
-        if ptgs is not None:  # rank 0's controller (each rank keeps its own; its prompts differ)
-            extra["ptgs"] = ptgs.state_dict()
+        if rollouts.ptgs is not None:  # rank 0's controller (each rank keeps its own; its prompts differ)
+            state["ptgs"] = rollouts.ptgs.state_dict()
         save_checkpoint(out, step, model, {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
-                                           "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=extra)
-
-    def row_sampling(micro):  # PTGS: a row is scored at the temperature its group was sampled at
-        return {**sampling, "temperature": micro["temperature"]} if "temperature" in micro else sampling
-
-    sample_kwargs = dict(num_groups=groups_per_rank, group_size=args.group_size, max_tokens=args.max_tokens,
-                         sampling=sampling, filter_zero_contrast=args.filter_zero_contrast and reward_model is None,
-                         max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer, rank=rank,
-                         world_size=world_size, oversample=args.oversample)
-    worker = None
-    if args.async_rollouts:  # the worker loads the start checkpoint's tokenizer and model; weights come per job
-        worker = RolloutWorker(out if resume else ckpt, device, train_task, sample_kwargs)
-        worker.submit(start_step, start_step, model, mix_seed(args.seed, start_step))
+                                           "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=state)
 
     t_start = time.time()
     for step in range(start_step, args.num_steps):
         # 1-2. Rollout and score: this rank's groups, with dynamic sampling.
         synchronize(device)
         t0 = time.time()
-        by_source, kept_sources = source_tally(train_task.tasks), []
-
-        def on_group(conversation, rewards, errors, kept):
-            name = conversation["source"]
-            by_source[f"source/{name}/groups_dispatched"] += 1
-            by_source[f"source/{name}/groups_completed"] += 1  # synchronous: every dispatched group comes back
-            by_source[f"source/{name}/groups_kept"] += kept
-            if kept:
-                kept_sources.append(name)
-            if ptgs is not None:  # every scored group, before zero-contrast groups are dropped
-                valid = [r for r, error in zip(rewards, errors) if not error]
-                ptgs.update(conversation["task_id"], sum(r > 0 for r in valid), sum(r <= 0 for r in valid))
-
-        if worker is None:
-            with autocast_ctx(device):
-                groups, rollout = sample_groups(engine, train_task, seed=mix_seed(args.seed, step), **sample_kwargs,
-                                                on_group=on_group,
-                                                temperature_of=(lambda c: round(ptgs.draw(c["task_id"]), 2)) if ptgs
-                                                else None)
-        else:  # the batch the worker sampled with older weights; then, with delay 1, ask for the next one at once
-            _, version, groups, rollout, records, rollout_seconds = worker.result()
-            for source, kept in records:
-                on_group({"source": source}, [], [], kept)
-            ages = [step - group["version"] for group in groups] or [step - version]
-            if args.async_delay == 1 and step + 1 < args.num_steps:
-                worker.submit(step + 1, step, model, mix_seed(args.seed, step + 1))
-        rm_score_sum = 0.0
-        if reward_model is not None:  # --reward rm: the reward model's normalised scores replace the verifier's
-            raw = reward_model_scores(reward_model, groups, pad_id, device, args.device_batch_tokens)  # (N,)
-            rm_score_sum = float(raw.sum())
-            normalized = normalize_scores(raw).tolist()
-            for g, group in enumerate(groups):
-                group["rewards"] = normalized[g * args.group_size:(g + 1) * args.group_size]
-        account_kept_groups(by_source, groups, kept_sources, args.group_size, args.adv_scale, args.adv_baseline,
-                            args.mask_truncated)
+        groups, rollout_tally, info = rollouts.next_groups(step)
         synchronize(device)
         t1 = time.time()
 
         # 3. Advantages; micro-batches of sequences, grouped into minibatches by prompt.
-        minibatches, positions = [], [0, 0]  # positions: (real, padded)
-        for m in range(args.minibatches):
-            part = groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches]
-            rows = learner_rows(part, args.group_size, args.adv_scale, args.adv_baseline, args.mask_truncated,
-                                raw_rewards=critic is not None)
-            if ptgs is not None:  # each row carries its group's temperature (collate_rollouts)
-                rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in part for _ in g["completions"]))]
-            # Sorted by length into micro-batches of <= --device-batch-tokens: less padding, same loss.
-            batches, _ = token_budget_batches([[len(row[0]) - 1] for row in rows], args.device_batch_tokens)
-            minibatches.append([collate_rollouts([rows[i] for i in batch], pad_id, device) for batch in batches])
-            positions[0] += sum(len(row[0]) - 1 for row in rows)
-            positions[1] += sum(int(micro["inputs"].numel()) for micro in minibatches[-1])
+        minibatches, positions = learner_batches(groups, args, pad_id, device, adv=(args.adv_scale, args.adv_baseline))
 
-        # 4a. Score the batch with the weights that sampled it: old log-probs, the engine/trainer gap, entropy,
-        # the reference log-probs; and the global token/sequence counts the loss is averaged over.
-        tally = {**rollout, **by_source, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0,
-                 "gap_sum": 0.0, "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0,
-                 "clip_low_sum": 0.0, "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf,
-                 "ratio_max": -math.inf, "positions_real": positions[0], "positions_padded": positions[1],
-                 "rm_score_sum": rm_score_sum, "value_loss_sum": 0.0, "value_clip_sum": 0.0}
-        # (the same keys on every rank: reduced across ranks below)
-        # One epoch of one minibatch updates once, after every micro-batch is scored: its ratio is exactly 1, so the
-        # learner pass's own log-probs, detached, are the old ones and this extra no-grad pass is skipped (not with
-        # a critic: GAE needs the old log-probs, for the KL in the reward, before the update).
-        old_from_learner = args.epochs == 1 and args.minibatches == 1 and critic is None
-
-        def score_old(micro, old_logp, entropy):
-            micro["old_logp"], mask = old_logp, micro["mask"]
-            micro["weights"] = mismatch_weights(old_logp, micro["behavior"], args.mismatch, args.tis_cap,
-                                                args.mask_window)
-            gap = (old_logp - micro["behavior"]).abs() * mask
-            tally["gap_sum"] += float(gap.sum())
-            tally["gap_max"] = max(tally["gap_max"], float(gap.max()))
-            tally["entropy_sum"] += float((entropy * mask).sum())
-            tally["trained_tokens"] += int(mask.sum())
-            tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
-
+        # 4a. Old log-probs, the engine/trainer gap, entropy (score_old); the reference log-probs; the global counts
+        # the loss is averaged over. One epoch of one minibatch updates once, after every micro-batch is scored: its
+        # ratio is exactly 1, so the learner pass's own log-probs, detached, are the old ones and no extra no-grad
+        # pass runs.
+        tally = learner_tally(rollout_tally, groups, positions)
+        old_from_learner = args.epochs == 1 and args.minibatches == 1
         with torch.no_grad():
             for micro in (micro for mb in minibatches for micro in mb):
                 if not old_from_learner:
-                    score_old(micro, *token_logprobs(model, micro["inputs"], micro["targets"], row_sampling(micro)))
+                    score_old(micro, *token_logprobs(model, micro["inputs"], micro["targets"],
+                                                     row_sampling(sampling, micro)), tally, args)
                 if ref_model is not None:
                     micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"],
-                                                          reference_sampling(row_sampling(micro)))
-                if critic is not None:  # --advantage gae: per-token rewards (score + KL) -> GAE with the critic
-                    mask = micro["mask"]
-                    with autocast_ctx(device):
-                        micro["old_values"] = critic(micro["inputs"])  # (B, T): V(s_t) before target t
-                    kl = torch.zeros_like(mask)
-                    if ref_model is not None and args.kl_placement == "reward":
-                        kl_logp = micro["old_logp"] if not truncated else token_logprobs(
-                            model, micro["inputs"], micro["targets"], reference_sampling(row_sampling(micro)))[0]
-                        kl = kl_penalty(kl_logp, micro["ref_logp"], "k1")
-                        tally["kl_sum"] += float((kl * mask).sum())
-                    rewards = token_rewards(micro["advantages"], kl, mask, args.kl_coef)
-                    micro["advantages"], micro["returns"] = gae(rewards, micro["old_values"], mask, args.gamma,
-                                                                args.lam)
-        if critic is not None:
-            micros = [micro for mb in minibatches for micro in mb]
-            values = torch.cat([m["old_values"][m["mask"] > 0] for m in micros])
-            returns = torch.cat([m["returns"][m["mask"] > 0] for m in micros])
-            advantages = torch.cat([m["advantages"][m["mask"] > 0] for m in micros])
-            explained = explained_variance(values, returns, torch.ones_like(values))
-            mean, std = advantages.mean(), advantages.std(unbiased=False)  # PPO whitens advantages (per rank)
-            for m in micros:
-                m["advantages"] = (m["advantages"] - mean) / (std + 1e-8) * m["mask"]
-        per_minibatch = torch.tensor([[sum(float(m["mask"].sum()) for m in mb),
-                                       sum(float((m["mask"].sum(-1) > 0).sum()) for m in mb)] for mb in minibatches],
-                                     dtype=torch.float64, device=device)  # (minibatches, 2): tokens, sequences
-        if ddp:
-            dist.all_reduce(per_minibatch)
-        counts = per_minibatch[:, 0 if args.loss_agg == "token-mean" else 1].tolist()
+                                                          reference_sampling(row_sampling(sampling, micro)))
+        counts, _ = batch_counts(minibatches, args.loss_agg, device)
 
         # 4b. The update: --epochs passes over the batch, one optimizer step per minibatch.
         lr_multiplier = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
@@ -1349,41 +272,28 @@ def main(argv=None):
                 group["lr"] = group["initial_lr"] * lr_multiplier
         optimizer_steps, grad_norms = 0, []  # the same on every rank (grad norms are taken after the all-reduce)
         for epoch in range(args.epochs):
-            for minibatch, count, value_count in zip(minibatches, counts, per_minibatch[:, 0].tolist()):
+            for minibatch, count in zip(minibatches, counts):
                 if count == 0:  # nothing to learn from on any rank (every group filtered or masked)
                     continue
                 for micro in minibatch:
-                    logp, entropy = token_logprobs(model, micro["inputs"], micro["targets"], row_sampling(micro))
+                    logp, entropy = token_logprobs(model, micro["inputs"], micro["targets"],
+                                                   row_sampling(sampling, micro))
                     if old_from_learner:
-                        score_old(micro, logp.detach(), entropy.detach())
+                        score_old(micro, logp.detach(), entropy.detach(), tally, args)
                     loss, stats = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["mask"],
                                               kind=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
                                               agg=args.loss_agg, dual_clip=args.dual_clip, weights=micro["weights"],
                                               max_len=args.max_tokens, count=count)
-                    num_tokens = float(micro["mask"].sum())
-                    if ref_model is not None and args.kl_placement == "loss":
+                    if ref_model is not None:
                         kl_logp = logp if not truncated else token_logprobs(
-                            model, micro["inputs"], micro["targets"], reference_sampling(row_sampling(micro)))[0]
+                            model, micro["inputs"], micro["targets"],
+                            reference_sampling(row_sampling(sampling, micro)))[0]
                         kl = kl_penalty(kl_logp, micro["ref_logp"], args.kl_kind)  # (B, T)
                         loss = loss + args.kl_coef * aggregate(kl, micro["mask"], args.loss_agg,
                                                                max_len=args.max_tokens, count=count)
                         tally["kl_sum"] += float((kl.detach() * micro["mask"]).sum())
                     loss.backward()
-                    if critic is not None:
-                        with autocast_ctx(device):
-                            values = critic(micro["inputs"])  # (B, T)
-                        v_loss, v_clip = value_loss(values, micro["old_values"], micro["returns"], micro["mask"],
-                                                    args.value_clip, count=value_count)
-                        v_loss.backward()
-                        tally["value_loss_sum"] += v_loss.item()
-                        tally["value_clip_sum"] += v_clip * num_tokens
-                    tally["loss_sum"] += loss.item()  # summed over micro-batches and ranks: the minibatch losses
-                    tally["loss_tokens"] += num_tokens
-                    tally["clip_low_sum"] += stats["clip_low"] * num_tokens
-                    tally["clip_high_sum"] += stats["clip_high"] * num_tokens
-                    tally["ratio_sum"] += stats["ratio_mean"] * num_tokens
-                    tally["ratio_min"] = min(tally["ratio_min"], stats["ratio_min"])
-                    tally["ratio_max"] = max(tally["ratio_max"], stats["ratio_max"])
+                    add_loss_stats(tally, loss, stats, float(micro["mask"].sum()))
                 if ddp:
                     all_reduce_gradients(model)
                 if args.max_grad_norm > 0:
@@ -1391,95 +301,29 @@ def main(argv=None):
                 for optimizer in optimizers:
                     optimizer.step()
                 model.zero_grad(set_to_none=True)
-                if critic is not None:
-                    if ddp:
-                        all_reduce_gradients(critic)
-                    if args.max_grad_norm > 0:
-                        torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                    for optimizer in critic_optimizers:
-                        optimizer.step()
-                    critic.zero_grad(set_to_none=True)
                 optimizer_steps += 1
         synchronize(device)
         t2 = time.time()
-        if worker is not None and args.async_delay == 0 and step + 1 < args.num_steps:
-            worker.submit(step + 1, step + 1, model, mix_seed(args.seed, step + 1))
+        rollouts.after_update(step)
 
         # Logs: rollout outcomes of every sampled group (filtered ones included), learner statistics, timings.
         tally = reduce_tally(tally, device)
-        n, tokens = max(tally["completions"], 1), max(tally["trained_tokens"], 1)
-        loss_tokens = max(tally["loss_tokens"], 1)
-        reward_mean = tally["reward_sum"] / n
-        metrics = {"reward/mean": reward_mean,
-                   "reward/std": math.sqrt(max(tally["reward_sq_sum"] / n - reward_mean ** 2, 0.0)),
-                   "reward/accuracy": tally["correct"] / n,
-                   "reward/errors": tally["errors"],
-                   "batch/zero_contrast_frac": tally["zero_contrast"] / max(tally["groups"], 1),
-                   "batch/groups_kept": tally["groups_kept"], "batch/sampling_rounds": tally["rounds"] / world_size,
-                   "batch/padding_frac": 1 - tally["positions_real"] / max(tally["positions_padded"], 1),
-                   "length/mean": tally["length_sum"] / n, "length/max": tally["length_max"],
-                   "length/truncated_frac": tally["truncated"] / n,
-                   "policy/entropy": tally["entropy_sum"] / tokens,
-                   "policy/loss": tally["loss_sum"] / max(optimizer_steps, 1),
-                   "policy/clip_low": tally["clip_low_sum"] / loss_tokens,
-                   "policy/clip_high": tally["clip_high_sum"] / loss_tokens,
-                   "mismatch/logp_gap_mean": tally["gap_sum"] / tokens, "mismatch/logp_gap_max": tally["gap_max"],
-                   "mismatch/corrected_frac": tally["corrected"] / tokens,
-                   "optim/steps": optimizer_steps, "time/rollout_s": t1 - t0, "time/learner_s": t2 - t1,
-                   "time/rollout_tokens_per_s": tally["length_sum"] / max(t1 - t0, 1e-9)}
-        if worker is not None:  # rollout: the worker's generation time; idle: the learner waiting for it
-            metrics.update({"time/rollout_s": rollout_seconds, "time/idle_s": t1 - t0,
-                            "time/rollout_tokens_per_s": tally["length_sum"] / max(rollout_seconds, 1e-9),
-                            "policy/age_mean": sum(ages) / len(ages), "policy/age_max": max(ages)})
-        if tally["loss_tokens"]:
-            metrics.update({"policy/ratio_mean": tally["ratio_sum"] / loss_tokens,
-                            "policy/ratio_min": tally["ratio_min"], "policy/ratio_max": tally["ratio_max"]})
-        if grad_norms:
-            metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        if ref_model is not None:
-            metrics["policy/kl"] = tally["kl_sum"] / (loss_tokens if args.kl_placement == "loss" else tokens)
-        if reward_model is not None:
-            metrics["reward/rm_score"] = tally["rm_score_sum"] / n  # raw, before normalisation
-        if critic is not None:
-            metrics.update({"critic/value_loss": tally["value_loss_sum"] / max(optimizer_steps, 1),
-                            "critic/clip_frac": tally["value_clip_sum"] / loss_tokens,
-                            "critic/explained_variance": explained})
-        mass = sum(tally[f"source/{name}/loss_mass"] for name in train_task.tasks)
-        for name in train_task.tasks:  # per-source accounting: a fast or easy source cannot take over unseen
-            for field in SOURCE_FIELDS:
-                source_totals[f"{name}/{field}"] += tally[f"source/{name}/{field}"]
-                metrics[f"source/{name}/{field}"] = tally[f"source/{name}/{field}"]
-            metrics[f"source/{name}/loss_share"] = tally[f"source/{name}/loss_mass"] / max(mass, 1e-12)
-        logger.log(metrics, step=step + 1)
-        if len(train_task.tasks) > 1:
-            print0("  sources: " + " | ".join(
-                f"{name} dispatched {metrics[f'source/{name}/groups_dispatched']:.0f} kept "
-                f"{metrics[f'source/{name}/groups_kept']:.0f} tokens {metrics[f'source/{name}/valid_tokens']:.0f} "
-                f"loss share {metrics[f'source/{name}/loss_share']:.2f}" for name in train_task.tasks))
-        elapsed = time.time() - t_start
-        eta = elapsed / (step + 1 - start_step) * (args.num_steps - step - 1)
+        metrics = step_metrics(tally, optimizer_steps, grad_norms, (t1 - t0, t2 - t1), info, train_task.tasks,
+                               source_totals)
         extra_line = ""
+        if ref_model is not None:
+            metrics["policy/kl"] = tally["kl_sum"] / max(tally["loss_tokens"], 1)
         if reward_model is not None:
-            extra_line += f"| rm score {metrics['reward/rm_score']:+.3f} verifier acc {metrics['reward/accuracy']:.3f} "
-        if critic is not None:
-            extra_line += (f"| value loss {metrics['critic/value_loss']:.4f} "
-                           f"expl var {metrics['critic/explained_variance']:+.2f} ")
-        print0(f"step {step + 1}/{args.num_steps} | reward {metrics['reward/mean']:.3f} {extra_line}"
-               f"| zero-contrast {metrics['batch/zero_contrast_frac']:.2f} kept {metrics['batch/groups_kept']:.0f} "
-               f"| len {metrics['length/mean']:.1f} trunc {metrics['length/truncated_frac']:.2f} "
-               f"pad {metrics['batch/padding_frac']:.0%} "
-               f"| loss {metrics['policy/loss']:+.4f} "
-               f"clip {metrics['policy/clip_low']:.3f}/{metrics['policy/clip_high']:.3f} "
-               f"| entropy {metrics['policy/entropy']:.3f} | gap {metrics['mismatch/logp_gap_mean']:.1e} "
-               f"| rollout {metrics['time/rollout_s']:.1f}s {metrics['time/rollout_tokens_per_s']:.0f} tok/s, "
-               f"learn {t2 - t1:.1f}s "
-               + (f"idle {t1 - t0:.1f}s age {metrics['policy/age_max']:.0f} " if worker else "")
-               + f"| ETA {format_eta(eta)}")
+            metrics["reward/rm_score"] = tally["rm_score_sum"] / max(tally["completions"], 1)  # before normalising
+            extra_line = f"| rm score {metrics['reward/rm_score']:+.3f} verifier acc {metrics['reward/accuracy']:.3f} "
+        logger.log(metrics, step=step + 1)
+        eta = (time.time() - t_start) / (step + 1 - start_step) * (args.num_steps - step - 1)
+        print_step(step, args.num_steps, metrics, extra_line, (t1 - t0, t2 - t1), eta)
 
         # 5. Held-out evaluation and periodic checkpoints.
         last = step + 1 == args.num_steps
         if (step + 1) % args.eval_every == 0 or last:
-            history.append(evaluate(step + 1))
+            history.append(evaluate_held_out(engine, test_task, eval_indices, args, step + 1, reward_model))
             logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=step + 1)
         if preempted(device):  # SIGTERM/SIGINT: keep this step's work, see common.py
             save(step + 1, finished=False)
@@ -1487,29 +331,11 @@ def main(argv=None):
         if not last and args.save_every and (step + 1) % args.save_every == 0:
             save(step + 1, finished=False)
 
-    if worker is not None:
-        worker.close()
+    rollouts.close()
     save(args.num_steps, finished=True)
-    before, after = history[0], history[-1]
-    k = f"pass@{args.eval_samples}"
-    print0(f"held-out pass@1 {before['pass@1']:.4f} -> {after['pass@1']:.4f}, {k} {before[k]:.4f} -> {after[k]:.4f}"
-           + (f", reward-model score {before['rm_score']:+.3f} -> {after['rm_score']:+.3f}"
-              if reward_model is not None else ""))
-    if reward_model is not None:
-        extra_record = {"reward": "rm", "rm_score_before": before["rm_score"], "rm_score": after["rm_score"],
-                        "kl_coef": args.kl_coef}
-    else:
-        extra_record = {}
-    # Its own row of the report card: RL from the reward model (speedrun.sh --rlhf) and PPO next to GRPO's.
-    stage = "rlhf" if reward_model is not None else "ppo" if critic is not None else "rl"
-    append_report({"stage": stage, **extra_record,
-                   "preset": args.preset, "task": args.task, "steps": args.num_steps, "seed": args.seed,
-                   "pass@1_before": before["pass@1"], "pass@1": after["pass@1"],
-                   f"{k}_before": before[k], k: after[k], "eval_problems": len(eval_indices),
-                   "truncated": after.get("truncated"), "verifier_errors": after["errors"],
-                   "eval_samples": args.eval_samples, "seconds": time.time() - t_start,
-                   "sources": dict(source_totals), "decontaminated": decontaminated, "ptgs": args.ptgs,
-                   "train_prompts": len(train_task)})
+    # Its own row of the report card: RL from the reward model (speedrun.sh --rlhf) next to GRPO's.
+    append_report(report_record("rlhf" if reward_model is not None else "rl", args, history, len(eval_indices),
+                                time.time() - t_start, source_totals, decontaminated, len(train_task)))
     logger.finish()
     compute_cleanup()
 

@@ -11,7 +11,7 @@ Bradley–Terry (1952) models a preference as P(y_w > y_l | x) = sigma(r(x, y_w)
 log-likelihood is the loss (InstructGPT, Ouyang et al. 2022, eq. 1), plus TRL's centring term (reward_model_loss).
 
 Data. tiny: the SFT model samples --samples answers to each synthetic problem, the task's verifier labels them, and
-one correct answer is paired with one incorrect answer of the same prompt (eval.self_generated_pairs, as dpo.py's
+one correct answer is paired with one incorrect answer of the same prompt (rollout.self_generated_pairs, as dpo.py's
 on-policy pairs): the reward model learns to tell right from wrong on the very answers RL will ask it to score.
 full: UltraFeedback-binarized (chosen = highest-rated answer, rejected = a lower-rated one). --pairs synthetic uses
 the static synthetic pairs (reference answer vs. one scripted mistake) instead.
@@ -32,9 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine, load_model
-from eval import preference_pairs
+from judge import JudgedTask, add_judge_flags, judge_from_args
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
-from tasks import GSM8K, SyntheticTask, pad_sequences
+from rollout import preference_pairs
+from tasks import pad_sequences, task_by_name
 
 PRESETS = {
     # tiny: 512 synthetic problems x 4 SFT samples -> a few hundred verifier-labelled pairs; 3 epochs of 32-pair steps.
@@ -91,17 +92,18 @@ def evaluate_pairs(model, pairs, batch_size, center_coef, pad_id, device):
             "score": float(sums[3]) / n}
 
 
-def build_pairs(args, model, tokenizer, split, max_seq_len):
+def build_pairs(args, model, tokenizer, split, max_seq_len, judge=None):
     """
-    This rank's pairs of `split` (eval.preference_pairs), counts over all ranks, and the fewest pairs of a rank.
-    Self-generated held-out pairs are sampled with seed + 1, so they are not the training pairs' samples.
+    This rank's pairs of `split` (rollout.preference_pairs), counts over all ranks, and the fewest pairs of a rank.
+    Self-generated held-out pairs are sampled with seed + 1, so they are not the training pairs' samples;
+    with a judge (judge.JudgeVerifier) they are labelled by it instead of --task's verifier.
     """
     size = args.train_pairs if split == "train" else args.eval_pairs
     task = engine = None
     if args.pairs == "self-generated":
-        task = SyntheticTask(split, size=size or 1000, seed=args.seed) if args.task == "synthetic" \
-            else GSM8K(split, size=size)
+        task = task_by_name(args.task, split, size, args.seed)
         engine = Engine(model.gpt, tokenizer)
+        task = JudgedTask(task, judge) if judge else task
     pairs, counts, shares = preference_pairs(args.pairs, split, size, tokenizer, max_seq_len, engine=engine, task=task,
                                              samples=args.samples, max_new_tokens=args.max_new_tokens,
                                              temperature=1.0, seed=args.seed + (task is not None and split == "test"))
@@ -136,11 +138,13 @@ def main(argv=None):
     add("--device-batch-size", type=int, help="pairs per forward/backward on each rank")
     add("--epochs", type=int, help="passes over the training pairs")
     add("--eval-every", type=int, help="held-out evaluation every N steps (and before and after)")
+    add_judge_flags(parser)
     add("--dry-run", action="store_true", help="build model, pairs and optimizers, print the plan and stop")
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    judge = judge_from_args(args, args.pairs == "self-generated", "use it with --pairs self-generated")
 
     stage_start = time.time()
     ddp, rank, local_rank, world_size, device = compute_init(args.device, args.seed)
@@ -156,8 +160,8 @@ def main(argv=None):
            f"centring coefficient {args.center_coef}")
 
     t0 = time.time()
-    train_pairs, train_counts, min_pairs = build_pairs(args, model, tokenizer, "train", max_seq_len)
-    eval_pairs, eval_counts, _ = build_pairs(args, model, tokenizer, "test", max_seq_len)
+    train_pairs, train_counts, min_pairs = build_pairs(args, model, tokenizer, "train", max_seq_len, judge)
+    eval_pairs, eval_counts, _ = build_pairs(args, model, tokenizer, "test", max_seq_len, judge)
     print0(f"pairs ({time.time() - t0:.0f}s): train {dict(train_counts)} | held-out {dict(eval_counts)}")
     if args.batch_size % (args.device_batch_size * world_size):
         raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --device-batch-size "

@@ -90,8 +90,10 @@ def _time_limit(seconds):
 def safe_reward(task, conversation, completion, timeout=1.0):
     """
     (reward, error) for one completion. A verifier that raises, times out or returns something that is not a
-    finite number scores 0.0 with error=True: a broken check must never count as a success.
+    finite number scores 0.0 with error=True: a broken check must never count as a success. A task whose verifier
+    is slow by nature (judge.JudgedTask: an HTTP request) says how long it may take in `verifier_timeout`.
     """
+    timeout = getattr(task, "verifier_timeout", timeout)
     try:
         with _time_limit(timeout):
             reward = float(task.reward(conversation, completion))
@@ -328,6 +330,16 @@ def evaluation_texts(preset):
         texts.extend(task[i]["question"] for i in range(len(task)))
     return texts
 
+
+
+def decontamination_index(preset, held_out=()):
+    """
+    The one decontamination rule every training stage applies (pretraining documents, SFT rows, preference pairs,
+    RL prompts): a training text is dropped when it shares a DECONTAMINATION_N-gram of normalised words with the
+    preset's evaluation sets (evaluation_texts) or with `held_out`, further texts the stage itself evaluates on
+    (rl.py's held-out problems). Returns the NgramIndex to check rows against.
+    """
+    return NgramIndex(evaluation_texts(preset) + list(held_out))
 
 # -----------------------------------------------------------------------------
 # Batching rendered sequences
@@ -680,6 +692,24 @@ class MultipleChoice:
                 "answer": labels.index(row["answerKey"]), "subject": self.name}
 
 
+
+def task_by_name(name, split, size=None, seed=0):
+    """
+    A verifiable (or multiple-choice) task by its flag name, `size` problems of `split` (None: all; synthetic: 1000);
+    seed only picks the synthetic family's problems. ultrafeedback: prompts without a verifier, for RL from a reward
+    model (its splits are train_prefs / test_prefs).
+    """
+    if name == "synthetic":
+        return SyntheticTask(split, size=size or 1000, seed=seed)
+    if name == "gsm8k":
+        return GSM8K(split, size=size)
+    if name == "ultrafeedback":
+        return UltraFeedbackPrompts("train_prefs" if split == "train" else "test_prefs", size=size)
+    if name in MultipleChoice.SOURCES:
+        return MultipleChoice(name, split, size=size)
+    raise ValueError(f"unknown task {name!r}; expected synthetic, gsm8k, ultrafeedback or one of "
+                     f"{sorted(MultipleChoice.SOURCES)}")
+
 # -----------------------------------------------------------------------------
 # Chat stages: synthetic preference pairs and task mixtures (sft.py, dpo.py)
 
@@ -800,6 +830,43 @@ class TaskMixture:
         """One line per source: how many rows it contributes, out of how many it has."""
         lines = [f"  {name:<24s} {count:>9,d} rows (of {len(task):,})" for name, task, count in self.sources]
         return "\n".join(lines + [f"  {'total':<24s} {len(self):>9,d} rows"])
+
+
+class PromptMixture:
+    """
+    The RL stages' prompts of one or more tasks as one task (TaskMixture is the chat stages' rows): mixture[k] is a
+    conversation with "source" (the task's name) and "task_id" ('name/row', the recurring id PTGS keys on); reward()
+    asks that source's verifier. Weights are shares of the prompts: source s keeps the first floor(share_s * N) of
+    its rows with N the largest total for which no source repeats a row (so a step still never holds one prompt
+    twice). One source keeps every row in its own order: position k is row k, as with the task itself.
+    """
+
+    def __init__(self, sources):
+        self.tasks = {name: task for name, task, _ in sources}
+        total = sum(weight for _, _, weight in sources)
+        size = min(len(task) * total / weight for _, task, weight in sources)
+        self.rows = [(name, i) for name, task, weight in sources
+                     for i in range(len(task) if len(sources) == 1 else int(size * weight / total))]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, k):
+        name, i = self.rows[k]
+        return {**self.tasks[name][i], "source": name, "task_id": f"{name}/{i}"}
+
+    def reward(self, conversation, completion):
+        return self.tasks[conversation["source"]].reward(conversation, completion)
+
+    def keep(self, positions):
+        """The mixture restricted to `positions` (after decontamination or the difficulty filter)."""
+        kept = PromptMixture.__new__(PromptMixture)
+        kept.tasks, kept.rows = self.tasks, [self.rows[k] for k in positions]
+        return kept
+
+    def counts(self):
+        """{source name: prompts}."""
+        return {name: sum(source == name for source, _ in self.rows) for name in self.tasks}
 
 
 def prepare_rows(mixture, render, positions, index=None):

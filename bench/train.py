@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import autocast_ctx, autodetect_device, synchronize  # noqa: E402
+from common import autocast_ctx, autodetect_device, peak_flops, synchronize  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from pretrain import DEFAULTS, peak_flops  # noqa: E402
+from pretrain import DEFAULTS  # noqa: E402
 
 
 def main():

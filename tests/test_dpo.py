@@ -12,7 +12,7 @@ import torch
 
 import common
 import dpo
-import eval
+import rollout
 import tasks
 from engine import Engine, load_model
 from eval import completion_text
@@ -222,7 +222,7 @@ def test_self_generated_pairs_are_engine_tokens_one_correct_one_incorrect(tokeni
     engine = Engine(model, tokenizer)
     task = ParityTask(12)
     indices = list(range(len(task)))
-    pairs, stats = eval.self_generated_pairs(engine, task, indices, num_samples=4, max_tokens=6, temperature=1.0,
+    pairs, stats = rollout.self_generated_pairs(engine, task, indices, num_samples=4, max_tokens=6, temperature=1.0,
                                             seed=5, prompts_per_batch=5)
     assert stats["paired"] == len(pairs) >= 4
     assert stats["paired"] + stats["all correct"] + stats["all incorrect"] == len(task)
@@ -251,7 +251,7 @@ def test_self_generated_pairs_count_a_crashing_verifier_and_pair_nothing(tokeniz
             raise RuntimeError("verifier bug")
 
     engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
-    pairs, stats = eval.self_generated_pairs(engine, Crashing(3), [0, 1, 2], num_samples=4, max_tokens=4,
+    pairs, stats = rollout.self_generated_pairs(engine, Crashing(3), [0, 1, 2], num_samples=4, max_tokens=4,
                                             temperature=1.0, seed=0)
     # answers that stop crash the verifier (left out), answers that do not stop are incorrect: no correct answer
     assert pairs == [] and stats["all incorrect"] + stats["unscored"] == 3
@@ -360,7 +360,7 @@ def test_truncated_answer_is_never_chosen(tokenizer):
 
     engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
     end = tokenizer.token_id("<|assistant_end|>")
-    pairs, stats = eval.self_generated_pairs(engine, AcceptsAnything(8), list(range(8)), num_samples=4, max_tokens=6,
+    pairs, stats = rollout.self_generated_pairs(engine, AcceptsAnything(8), list(range(8)), num_samples=4, max_tokens=6,
                                             temperature=1.0, seed=0)
     # every text is "right": an answer is correct exactly when it stopped, so each pair teaches to stop
     assert pairs and stats["truncated"] > 0
@@ -377,7 +377,7 @@ def test_verifier_error_dropped_from_pairs(tokenizer):
 
     engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
     task = ErrorsOnOddLengths(16)
-    pairs, stats = eval.self_generated_pairs(engine, task, list(range(16)), num_samples=6, max_tokens=6,
+    pairs, stats = rollout.self_generated_pairs(engine, task, list(range(16)), num_samples=6, max_tokens=6,
                                             temperature=1.0, seed=0)
     assert pairs and stats["verifier errors"] > 0
     end = tokenizer.token_id("<|assistant_end|>")
@@ -389,7 +389,9 @@ def test_verifier_error_dropped_from_pairs(tokenizer):
 
 def test_loss_kind_paper_defaults():
     def resolved(loss_type, **flags):
-        args = argparse.Namespace(loss_type=loss_type, **{"beta": None, "gamma": None, **flags})
+        args = argparse.Namespace(loss_type=loss_type, **{"beta": None, "gamma": None, "desirable_weight": None,
+                                                          "undesirable_weight": None, "sft_weight": None,
+                                                          "label_smoothing": 0.0, "live_reference": False, **flags})
         dpo.resolve_loss_defaults(args)
         return args.beta, args.gamma
 

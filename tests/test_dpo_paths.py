@@ -12,7 +12,7 @@ import torch
 
 import common
 import dpo
-import eval
+import rollout
 import tasks
 from conftest import ends_turn_sometimes, make_model, make_tokenizer
 
@@ -92,7 +92,7 @@ TINY = ["--preset", "tiny", "--device", "cpu", "--train-pairs", "48", "--eval-pa
 
 def test_tiny_preset_default_path_self_generated_pairs_through_main(tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
-    monkeypatch.setattr(dpo, "eval_task", lambda name, split, size, seed: ParityTask(split, size))
+    monkeypatch.setattr(dpo, "task_by_name", lambda name, split, size, seed: ParityTask(split, size))
     model = ends_turn_sometimes(make_model(tokenizer), tokenizer)  # only an answer that stops can be chosen
     common.save_checkpoint(tmp_path / "checkpoints" / "sft", 1, model, {"stage": "sft"}, tokenizer=tokenizer)
     # Prompts of 13-14 tokens and of 40-51 (x 11 of 48), answers of <= 10: pairs of the long prompts are too long.
@@ -114,7 +114,7 @@ def test_tiny_preset_default_path_self_generated_pairs_through_main(tokenizer, t
     assert sum(record["pairs_held_out"].get(k, 0) for k in ("paired", "too long", "all correct", "all incorrect")) == 16
 
     # Cross-check the counts against self_generated_pairs itself: same engine, same seed, same prompts.
-    pairs, stats = eval.self_generated_pairs(dpo.Engine(model.eval(), tokenizer), task, list(range(48)), 4, 10, 1.0,
+    pairs, stats = rollout.self_generated_pairs(dpo.Engine(model.eval(), tokenizer), task, list(range(48)), 4, 10, 1.0,
                                             seed=0)
     too_long = sum(max(len(c[0]), len(r[0])) > max_seq_len for c, r in pairs)
     assert (counts["paired"], counts["too long"]) == (stats["paired"] - too_long, too_long)
@@ -124,7 +124,7 @@ def test_ranks_sample_with_their_own_seeds(tokenizer, monkeypatch):
     # Every prompt is the same one: ranks 0 and 1 of 2 hold identical prompts, so only their seeds can make their
     # samples differ (equal seeds would give every rank the same "independent" samples); together the two shares
     # account for every prompt once.
-    monkeypatch.setattr(dpo, "eval_task", lambda name, split, size, seed: ParityTask(split, size, same_prompt=True))
+    monkeypatch.setattr(dpo, "task_by_name", lambda name, split, size, seed: ParityTask(split, size, same_prompt=True))
     samples = []
 
     class RecordingEngine(dpo.Engine):
@@ -136,7 +136,8 @@ def test_ranks_sample_with_their_own_seeds(tokenizer, monkeypatch):
     monkeypatch.setattr(dpo, "Engine", RecordingEngine)
     model = make_model(tokenizer).eval()
     args = argparse.Namespace(pairs="self-generated", task="synthetic", train_pairs=12, eval_pairs=4, samples=4,
-                              max_new_tokens=8, temperature=1.0, seed=0, decontaminate=False, preset="tiny")
+                              max_new_tokens=8, temperature=1.0, seed=0, decontaminate=False, preset="tiny",
+                              loss_type="sigmoid")
     for rank in (0, 1):
         monkeypatch.setattr(common, "get_dist_info", lambda rank=rank: (True, rank, rank, 2))
         samples.append([])

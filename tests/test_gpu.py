@@ -11,7 +11,7 @@ import torch
 
 import common
 import pretrain
-import rl
+import rollout
 from conftest import make_model, make_tokenizer
 from engine import Engine, KVCache
 from tasks import SyntheticTask
@@ -74,9 +74,9 @@ def test_bf16_engine_learner_logprob_gap_is_bounded(model, tokenizer):
     with common.autocast_ctx("cuda"):
         results = Engine(model, tokenizer).generate(prompts, num_samples=4, max_tokens=24, seed=0, **sampling)
     groups = [{"prompt": p, "completions": c, "rewards": [0.0, 1.0, 0.0, 1.0]} for p, c in zip(prompts, results)]
-    batch = rl.collate_rollouts(rl.learner_rows(groups, 4, "std", "mean", mask_truncated=False), 0, "cuda")
+    batch = rollout.collate_rollouts(rollout.learner_rows(groups, 4, "std", "mean", mask_truncated=False), 0, "cuda")
     with torch.no_grad():
-        logp, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], sampling)  # bf16 autocast inside
+        logp, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], sampling)  # bf16 autocast inside
     gap = (logp - batch["behavior"]).abs() * batch["mask"]
     assert batch["mask"].sum() > 0
     assert gap.max() < BF16_ATOL  # what truncated importance sampling (--mismatch tis) corrects

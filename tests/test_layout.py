@@ -1,14 +1,18 @@
 """
-The layering of the modules, from their imports (parsed with ast, imports inside functions included):
+The layering of the modules from the ground up, read from their imports (parsed with ast, imports inside functions
+included):
 
-    shared modules   common, model, tokenizer, tasks, engine   import only each other
+    shared modules   common, model, tokenizer, tasks, engine,  import only each other
+                     judge
     report           report.py                                  imports only shared modules
-    eval             eval.py                                    imports shared modules and report
+    libraries        eval.py                                    imports shared modules and report
                                                                 (its CLI re-renders the card)
-    stage scripts    pretrain, sft, dpo, rl, rm, merge, serve,  import shared modules and eval
-                     export
-    driver           plan.py (speedrun's budget and preset)     imports shared modules, eval and the stages whose
-                                                                plan() it adds up; nothing imports it
+                     rollout.py (sampling and scoring groups,   imports shared modules and eval; eval never imports it
+                     the prompts, the learner's rows)
+    stage scripts    pretrain, sft, dpo, rl, ppo, rm, merge,    import shared modules and the libraries, never another
+                     serve, export                              stage
+    driver           plan.py (speedrun's budget and preset)     imports shared modules, the libraries and the stages
+                                                                whose plan() it adds up; nothing imports it
 
 Nothing but the driver imports a stage script, and there is no import circle anywhere (a module that imports itself through
 others, even from inside a function). A new top-level module must be given its layer here.
@@ -20,14 +24,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = {"common", "model", "tokenizer", "tasks", "engine"}
-STAGES = {"pretrain", "sft", "dpo", "rl", "rm", "merge", "serve", "export"}
+SHARED = {"common", "model", "tokenizer", "tasks", "engine", "judge"}
+STAGES = {"pretrain", "sft", "dpo", "rl", "ppo", "rm", "merge", "serve", "export"}
 ALLOWED = {  # layer -> the project modules a module of that layer may import
     **{name: SHARED for name in SHARED},
     "report": SHARED,
     "eval": SHARED | {"report"},
-    **{name: SHARED | {"eval"} for name in STAGES},
-    "plan": SHARED | {"eval"} | STAGES,
+    "rollout": SHARED | {"eval"},
+    **{name: SHARED | {"eval", "rollout"} for name in STAGES},
+    "plan": SHARED | {"eval", "rollout"} | STAGES,
 }
 
 
@@ -100,6 +105,10 @@ def test_imports_inside_functions_count():
     ("tasks", "sft", "tasks imports sft, which its layer may not import"),  # a shared module on a stage
     ("report", "eval", "report imports eval, which its layer may not import"),
     ("eval", "rl", "eval imports rl, which its layer may not import"),
+    ("eval", "rollout", "eval imports rollout, which its layer may not import"),  # libraries: rollout on eval only
+    ("rollout", "rl", "rollout imports rl, which its layer may not import"),  # a library on a stage
+    ("rollout", "report", "rollout imports report, which its layer may not import"),
+    ("ppo", "rl", "ppo imports rl, which its layer may not import"),  # the two RL stages share rollout, not code
     ("dpo", "sft", "dpo imports sft, which its layer may not import"),  # a stage on another stage
     ("rl", "report", "rl imports report, which its layer may not import"),
     ("model", "tokenizer", "import circle: common -> model -> tokenizer -> common"),  # allowed edge, but a circle

@@ -16,6 +16,7 @@ from engine import load_model
 import dpo
 import pretrain
 import rl
+import rollout
 import sft
 import tasks
 from conftest import make_model, make_tokenizer
@@ -132,7 +133,7 @@ def test_rl_prompts_not_divisible_by_ranks(sft_checkpoint, tmp_path, monkeypatch
 
 
 def test_rl_overlong_buffer_longer_than_the_budget(sft_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setattr(rl, "load_task", lambda name, split, size: LengthParity(split, size=16))
+    monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: LengthParity(split, size=16))
     with pytest.raises(ValueError, match=re.escape("the overlong buffer must be in (0, max_tokens=8], got 9")):
         rl.main(RL_ARGS + ["--ckpt", str(sft_checkpoint), "--out", str(tmp_path / "rl"), "--overlong-buffer", "9"])
 

@@ -13,6 +13,7 @@ import torch
 import common
 import engine
 import rl
+import rollout
 import sft
 import tasks
 from conftest import make_model, make_tokenizer, scripted_model
@@ -27,7 +28,7 @@ def tokenizer():
 
 def test_rl_kl_is_zero_at_step_1_and_positive_after(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
-    monkeypatch.setattr(rl, "load_task", lambda name, split, size: LengthParity(split, size=64))
+    monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: LengthParity(split, size=64))
     logged = {}
 
     class Recorder(common.Logger):

@@ -12,6 +12,7 @@ import eval as ev
 import pretrain
 import report
 import rl
+import rollout
 import sft
 import tasks
 from test_rl import LengthParity
@@ -31,7 +32,7 @@ def test_report_from_the_records_the_tiny_stages_write(tmp_path, monkeypatch):
     dpo.main(["--device", "cpu", "--pairs", "synthetic", "--train-pairs", "8", "--eval-pairs", "4", "--batch-size", "8",
               "--device-batch-tokens", "2048", "--beta", "0.1", "--check-problems", "2", "--check-samples", "1",
               "--max-new-tokens", "4"])
-    monkeypatch.setattr(rl, "load_task", lambda name, split, size: LengthParity(split, size=16))
+    monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: LengthParity(split, size=16))
     rl.main(["--preset", "tiny", "--device", "cpu", "--num-steps", "1", "--prompts-per-step", "2", "--group-size", "2",
              "--max-tokens", "4", "--eval-problems", "2", "--eval-samples", "2"])
     ev.main(["--stage", "rl", "--tasks", "synthetic", "--num-samples", "1", "--max-problems", "4", "--max-tokens", "4",

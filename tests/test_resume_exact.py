@@ -13,6 +13,7 @@ import torch
 import common
 import dpo
 import rl
+import rollout
 import sft
 from conftest import make_model, make_tokenizer
 from test_rl import LengthParity
@@ -101,7 +102,7 @@ RL_ARGS = ["--preset", "tiny", "--device", "cpu", "--prompts-per-step", "4", "--
 
 def test_rl_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
-    monkeypatch.setattr(rl, "load_task", lambda name, split, size: LengthParity(split, size=64))
+    monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: LengthParity(split, size=64))
     ckpt = tmp_path / "dpo"
     common.save_checkpoint(ckpt, 0, make_model(tokenizer).eval(), {"stage": "dpo"}, tokenizer=tokenizer)
     argv = RL_ARGS + ["--ckpt", str(ckpt)]

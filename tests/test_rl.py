@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import model as model_module
 import rl
+import rollout
 from common import save_checkpoint
 from conftest import ends_turn_sometimes, scripted_model
-from engine import Engine, load_model, sampling_logprobs
+from engine import Engine, load_model
 from eval import completion_text
 from model import GPT, GPTConfig
 from tasks import SyntheticTask, synthetic_documents
@@ -302,132 +302,18 @@ class Broken(LengthParity):
         raise RuntimeError("verifier bug")
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=None, top_p=None),
-                                      dict(temperature=0.7, top_k=20, top_p=0.9)])
-def test_engine_logprobs_match_the_learner(model, tokenizer, sampling):
-    engine = Engine(model, tokenizer)
-    task = SyntheticTask("train", size=3)
-    prompts = [tokenizer.render_for_completion(task[i]) for i in range(3)]
-    results = engine.generate(prompts, num_samples=2, max_tokens=12, seed=0, **sampling)
-    groups = [{"prompt": p, "completions": c, "rewards": [0.0, 1.0]} for p, c in zip(prompts, results)]
-    rows = rl.learner_rows(groups, 2, "std", "mean", mask_truncated=False)
-    batch = rl.collate_rollouts(rows, pad_id=0, device="cpu")
-    assert batch["mask"].sum() == sum(len(c.tokens) for r in results for c in r)  # every sampled token, nothing else
-    with torch.no_grad():
-        logp, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], sampling)
-        gap = ((logp - batch["behavior"]).abs() * batch["mask"]).max()
-        assert gap < 1e-4
-        # scoring at another temperature than the one that sampled is visibly wrong: the check can fail
-        other, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], {**sampling, "temperature": 1.5})
-        assert ((other - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
-    close(batch["advantages"], [-1, 1, -1, 1, -1, 1])
-
-
-def test_learner_logprobs_in_chunks_equal_whole_logits_in_value_and_gradient(model, monkeypatch):
-    # Broken once (chunked_logits scoring the chunks against targets shifted by one): the values differed.
-    monkeypatch.setattr(model_module, "LOGITS_CHUNK_TOKENS", 7)  # 3 x 10 positions in chunks of 7
-    sampling = dict(temperature=0.7, top_k=20, top_p=0.9)
-    torch.manual_seed(0)
-    x, y = torch.randint(0, 400, (3, 10)), torch.randint(0, 400, (3, 10))
-    y[0, :4] = -1
-    weights = torch.rand(3, 10)
-    chunked, whole = GPT(model.config), GPT(model.config)
-    chunked.load_state_dict(model.state_dict())
-    whole.load_state_dict(model.state_dict())
-    logp, entropy = rl.token_logprobs(chunked, x, y, sampling)
-    (logp * weights).sum().backward()
-    logprobs = sampling_logprobs(whole(x), **sampling)  # (3, 10, V): the whole logits
-    expected = logprobs.gather(-1, y.clamp(min=0)[..., None]).squeeze(-1).clamp(min=rl.LOGP_FLOOR)
-    (expected * weights).sum().backward()
-    torch.testing.assert_close(logp, expected)
-    torch.testing.assert_close(entropy, torch.special.entr(logprobs.detach().exp()).sum(-1))
-    for (name, p), q in zip(whole.named_parameters(), chunked.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, msg=name)
-
-
-def test_mask_truncated_removes_completions_that_hit_the_budget(model, tokenizer):
-    engine = Engine(model, tokenizer)
-    prompt = tokenizer.render_for_completion(SyntheticTask("train", size=1)[0])
-    (completions,) = engine.generate([prompt], num_samples=6, max_tokens=3, seed=0)
-    assert {c.finish for c in completions} == {"stop", "length"}  # some stop within 3 tokens, some do not
-    group = [{"prompt": prompt, "completions": completions, "rewards": [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]}]
-    masked = rl.learner_rows(group, 6, "std", "mean", mask_truncated=True)
-    kept = rl.learner_rows(group, 6, "std", "mean", mask_truncated=False)
-    assert [sum(m) for _, m, _, _ in masked] == [len(c.tokens) * (c.finish == "stop") for c in completions]
-    assert [sum(m) for _, m, _, _ in kept] == [len(c.tokens) for c in completions]
-
-
-def test_dynamic_sampling_never_returns_zero_contrast_groups(model, tokenizer):
-    engine = Engine(model, tokenizer)
-    sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    groups, stats = rl.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=1, max_rounds=6)
-    assert len(groups) == 6
-    assert all(len(set(g["rewards"])) > 1 for g in groups)
-    assert stats["zero_contrast"] > 0  # some were drawn and dropped, and the logs count them
-    assert stats["groups"] == 6 * stats["rounds"] and stats["completions"] == 4 * stats["groups"]
-    # without the filter the even-answer groups come through
-    unfiltered, _ = rl.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=1, filter_zero_contrast=False)
-    assert any(len(set(g["rewards"])) == 1 for g in unfiltered)
-
-
-def test_dynamic_sampling_gives_up_after_the_cap_and_counts_verifier_errors(model, tokenizer):
-    engine = Engine(model, tokenizer)
-    sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    groups, stats = rl.sample_groups(engine, Broken(), 2, 3, 4, sampling, seed=0, max_rounds=3)
-    assert groups == []  # every reward is 0: nothing to learn from, and no infinite loop
-    assert stats["rounds"] == 3 and stats["completions"] == 3 * 2 * 3
-    assert stats["errors"] == stats["completions"] - stats["truncated"] > 0  # an answer that did not stop is not scored
-    assert stats["reward_sum"] == stats["correct"] == 0
-
-
-def test_one_generate_call_per_round_oversampled(model, tokenizer, monkeypatch):
-    engine = Engine(model, tokenizer)
-    calls = []
-    generate = engine.generate
-    monkeypatch.setattr(engine, "generate", lambda prompts, **kwargs: calls.append(len(prompts)) or
-                        generate(prompts, **kwargs))
-    sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    groups, stats = rl.sample_groups(engine, LengthParity(), 3, 4, 8, sampling, seed=1, max_rounds=6, oversample=2.5)
-    assert calls == [8] * stats["rounds"]  # ceil(2.5 * 3) prompts, all in one call per round
-    assert len(groups) == 3 and all(len(set(g["rewards"])) > 1 for g in groups)
-    assert stats["groups"] == 8 * stats["rounds"]
-    with pytest.raises(ValueError, match="oversample"):
-        rl.sample_groups(engine, LengthParity(), 3, 4, 8, sampling, seed=1, oversample=0.5)
-
-
-def test_learner_logprobs_detached_are_exactly_the_old_logprobs(model, tokenizer):
-    # What skipping the no-grad old-log-prob pass (--epochs 1 --minibatches 1) relies on: before any update, the
-    # learner pass's log-probs, detached, equal that pass bit for bit, so the loss and its gradient are the same.
-    engine = Engine(model, tokenizer)
-    sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    groups, _ = rl.sample_groups(engine, LengthParity(), 2, 4, 8, sampling, seed=3, filter_zero_contrast=False)
-    rows = rl.learner_rows(groups, 4, "std", "mean", False)
-    micro = rl.collate_rollouts(rows, tokenizer.bos_id, "cpu")
-    with torch.no_grad():
-        old, _ = rl.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
-    results = []
-    for detached in (False, True):
-        model.zero_grad(set_to_none=True)
-        logp, _ = rl.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
-        loss, _ = rl.policy_loss(logp, logp.detach() if detached else old, micro["advantages"], micro["mask"])
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-    model.zero_grad(set_to_none=True)
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
-
-
 # -----------------------------------------------------------------------------
 # The loop, in-process
 
 
-def run_rl(monkeypatch, tmp_path, checkpoint, *flags, task=LengthParity):
+def run_rl(monkeypatch, tmp_path, checkpoint, *flags, task=LengthParity, stage=rl):
+    """stage.main (rl, or ppo: the same flags) on `task` at test sizes; returns its --out."""
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(rl, "load_task", lambda name, split, size: task(split, size=64))
+    monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: task(split, size=64))
     base = ["--preset", "tiny", "--device", "cpu", "--ckpt", str(checkpoint), "--out", str(tmp_path / "rl"),
             "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8", "--eval-problems", "8",
             "--eval-samples", "2", "--device-batch-tokens", "200"]
-    rl.main(base + list(flags))
+    stage.main(base + list(flags))
     return tmp_path / "rl"
 
 
@@ -462,7 +348,7 @@ def test_old_logprob_pass_runs_only_when_the_policy_moves_between_updates(monkey
     # Same seed, same rollouts and micro-batches (M of them): with 1 epoch x 1 minibatch only the learner pass
     # scores them (M calls); with 2 epochs the old-log-prob pass runs first (M + 2 M calls).
     calls = []
-    token_logprobs = rl.token_logprobs
+    token_logprobs = rollout.token_logprobs
     monkeypatch.setattr(rl, "token_logprobs", lambda model, *args: calls.append(1) or token_logprobs(model, *args))
     counts = []
     for epochs in ("1", "2"):
@@ -506,9 +392,9 @@ def test_rl_raises_the_reward_of_a_random_model(monkeypatch, tmp_path, checkpoin
 DDP_DRIVER = """
 import hashlib, os, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
-import rl, test_rl
+import rl, rollout, test_rl
 from engine import Engine
-rl.load_task = lambda name, split, size: test_rl.LengthParity(split, size=64)
+rollout.task_by_name = lambda name, split, size: test_rl.LengthParity(split, size=64)
 models = []
 rl.Engine = lambda model, tokenizer: models.append(model) or Engine(model, tokenizer)  # keep each rank's model
 rl.main(sys.argv[1:])
@@ -551,7 +437,7 @@ class AcceptsAnything(LengthParity):
 def test_truncated_answer_is_not_correct_in_rollouts(model, tokenizer):
     engine = Engine(model, tokenizer)
     sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    groups, stats = rl.sample_groups(engine, AcceptsAnything(), 4, 4, 6, sampling, seed=0, max_rounds=3)
+    groups, stats = rollout.sample_groups(engine, AcceptsAnything(), 4, 4, 6, sampling, seed=0, max_rounds=3)
     assert groups and stats["truncated"] > 0
     for group in groups:  # every text is "right": the reward is 1 exactly for the answers that stopped
         assert group["rewards"] == [float(c.finish == "stop") for c in group["completions"]]
@@ -575,12 +461,12 @@ def test_zero_contrast_uses_verifier_outcome(tokenizer):
     sampling = dict(temperature=1.0, top_k=None, top_p=None)
     # max_tokens 4, buffer 2: a 3-token answer loses 0.5, a 2-token one nothing. Every answer is right, so no group
     # has contrast, however the lengths differ.
-    groups, stats = rl.sample_groups(engine, AcceptsAnything(), 4, 4, 4, sampling, seed=0, max_rounds=2,
+    groups, stats = rollout.sample_groups(engine, AcceptsAnything(), 4, 4, 4, sampling, seed=0, max_rounds=2,
                                      overlong_buffer=2)
     assert stats["truncated"] == 0 and stats["correct"] == stats["completions"] == 32
     assert groups == [] and stats["zero_contrast"] == stats["groups"] == 8
     # Without the filter the shaped rewards are what the advantages see, length differences included.
-    unfiltered, _ = rl.sample_groups(engine, AcceptsAnything(), 4, 4, 4, sampling, seed=0, filter_zero_contrast=False,
+    unfiltered, _ = rollout.sample_groups(engine, AcceptsAnything(), 4, 4, 4, sampling, seed=0, filter_zero_contrast=False,
                                      overlong_buffer=2)
     assert {r for g in unfiltered for r in g["rewards"]} == {1.0, 0.5}
     # What the filter prevents (the issue's numbers): std scaling blows a 1/64 length penalty up to full size.
@@ -593,21 +479,21 @@ def test_zero_contrast_uses_verifier_outcome(tokenizer):
 def test_policy_loss_finite_at_extreme_ratios(kind, advantage, mismatch):
     # old log-prob at the floor, new one at -2: log-ratio 98, exp(98) overflows float32
     logp = leaf([[-2.0], [-1.0]])
-    old = torch.tensor([[rl.LOGP_FLOOR], [-1.0]])
+    old = torch.tensor([[rollout.LOGP_FLOOR], [-1.0]])
     weights = rl.mismatch_weights(logp, old, mismatch)
     assert torch.isfinite(weights).all()
     loss, stats = rl.policy_loss(logp, old, torch.tensor([advantage, advantage]), torch.ones(2, 1), kind=kind,
                                  weights=weights, dual_clip=3.0 if kind in ("ppo", "gspo") else None)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), (loss, logp.grad)
-    assert stats["ratio_max"] <= math.exp(rl.LOG_RATIO_CLAMP) * (1 + 1e-5)
+    assert stats["ratio_max"] <= math.exp(rollout.LOG_RATIO_CLAMP) * (1 + 1e-5)
 
 
 def test_kl_reference_untruncated(monkeypatch, tmp_path, checkpoint):
     # --top-k 20 truncates what the engine samples from; the KL compares the untruncated temperature-scaled
     # distributions (a token outside the reference's top-20 would otherwise get ref_logp = LOGP_FLOOR, k2 ~ 5e3).
     scored, compared = [], []
-    token_logprobs, kl_penalty = rl.token_logprobs, rl.kl_penalty
+    token_logprobs, kl_penalty = rollout.token_logprobs, rl.kl_penalty
 
     def spy_logprobs(model, inputs, targets, sampling):
         if not next(model.parameters()).requires_grad:  # the frozen reference model
@@ -641,7 +527,7 @@ def test_verifier_error_dropped_from_training(model, tokenizer):
     (completions,) = engine.generate([prompt], num_samples=4, max_tokens=6, seed=0)
     group = {"prompt": prompt, "completions": completions, "rewards": [1.0, 0.0, 0.0, 1.0],
              "errors": [False, False, True, False]}
-    rows = rl.learner_rows([group], 4, "std", "mean", mask_truncated=False)
+    rows = rollout.learner_rows([group], 4, "std", "mean", mask_truncated=False)
     assert [sum(mask) for _, mask, _, _ in rows] == [len(c.tokens) * (j != 2) for j, c in enumerate(completions)]
     close([a for *_, a in rows], [1 / 3 / s, -2 / 3 / s, 0, 1 / 3 / s])
 
@@ -653,7 +539,7 @@ def test_verifier_error_dropped_from_training(model, tokenizer):
             return float(len(completion) % 4 == 0)
 
     sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    groups, stats = rl.sample_groups(engine, ErrorsOnOddLengths(), 4, 6, 8, sampling, seed=0, max_rounds=4)
+    groups, stats = rollout.sample_groups(engine, ErrorsOnOddLengths(), 4, 6, 8, sampling, seed=0, max_rounds=4)
     assert stats["errors"] > 0 and groups
     for g in groups:
         assert g["errors"] == [c.finish == "stop" and len(completion_text(tokenizer, c)) % 2 == 1
@@ -681,7 +567,7 @@ def test_step_prompts_without_replacement(model, tokenizer):
         engine = Engine(model, tokenizer)
         generate = engine.generate
         engine.generate = lambda prompts, **kw: drawn.extend(map(tuple, prompts)) or generate(prompts, **kw)
-        _, stats = rl.sample_groups(engine, LengthParity(size=12), 3, 2, 1, dict(temperature=1.0), seed=7,
+        _, stats = rollout.sample_groups(engine, LengthParity(size=12), 3, 2, 1, dict(temperature=1.0), seed=7,
                                     max_rounds=2, rank=rank, world_size=2)
         assert stats["rounds"] == 2
     assert len(drawn) == 12 and len(set(drawn)) == 12

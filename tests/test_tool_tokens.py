@@ -1,6 +1,6 @@
 """
 Forced tool tokens under sampling, through the RL data path: a model that makes a calculator call at temperature 1,
-Engine.generate -> rl.learner_rows -> rl.collate_rollouts -> rl.token_logprobs. The forced
+Engine.generate -> rollout.learner_rows -> rollout.collate_rollouts -> rollout.token_logprobs. The forced
 <|output_start|> ... <|output_end|> span is never a target; every sampled token is, once; and the engine's
 behavior log-probs equal the learner's on every trained position, the token right after <|output_end|> included
 (the one a stale-logits bug after forcing would get wrong).
@@ -9,7 +9,7 @@ behavior log-probs equal the learner's on every trained position, the token righ
 import pytest
 import torch
 
-import rl
+import rollout
 from conftest import make_tokenizer, scripted_model
 from engine import Engine
 from tasks import SyntheticTask
@@ -61,8 +61,8 @@ def test_forced_tool_output_is_never_trained_and_logprobs_match(tokenizer, tool_
 
     groups = [{"prompt": p, "completions": r, "rewards": [float(j % 2) for j in range(8)]}
               for p, r in zip(prompts, results)]
-    rows = rl.learner_rows(groups, 8, "std", "mean", mask_truncated=False)
-    batch = rl.collate_rollouts(rows, pad_id=0, device="cpu")
+    rows = rollout.learner_rows(groups, 8, "std", "mean", mask_truncated=False)
+    batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     targets, mask = batch["targets"], batch["mask"]
     assert mask.sum() == sum(sum(c.mask) for c in completions)  # every sampled token, once; nothing else
 
@@ -77,7 +77,7 @@ def test_forced_tool_output_is_never_trained_and_logprobs_match(tokenizer, tool_
             assert targets[b, start - 1] == t("<|python_end|>") and targets[b, start + 3] >= 0  # ... and no more
 
     with torch.no_grad():
-        logp, _ = rl.token_logprobs(tool_model, batch["inputs"], targets, SAMPLING)
+        logp, _ = rollout.token_logprobs(tool_model, batch["inputs"], targets, SAMPLING)
     gap = (logp - batch["behavior"]).abs() * mask
     assert gap.max() < 1e-4
     # The token right after <|output_end|>: trained, and its engine log-prob is the learner's.

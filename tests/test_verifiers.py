@@ -1,6 +1,6 @@
 """
 The verifiers as RL sees them: hostile completions never score and never crash, a broken verifier scores 0 and is
-counted, and the scoring path of rl.py (token ids -> completion text -> safe_reward) gives what the task says.
+counted, and the scoring path of rollout.py (token ids -> completion text -> safe_reward) gives what the task says.
 """
 
 import json
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-import rl
+import rollout
 import tasks
 from engine import Completion
 from eval import completion_text
@@ -97,7 +97,7 @@ def completion_of(tokenizer, text):
 def test_a_crashing_verifier_scores_zero_and_is_counted(tokenizer):
     texts = ["#### 42", "boom #### 42", "the answer is #### 41", "boom"]
     completions = [completion_of(tokenizer, t) for t in texts]
-    rewards, errors = rl.score_group(FlakyTask(), {"answer": "42"}, completions, tokenizer)
+    rewards, errors = rollout.score_group(FlakyTask(), {"answer": "42"}, completions, tokenizer)
     assert rewards == [1.0, 0.0, 0.0, 0.0]
     assert errors == [False, True, False, True]
 
@@ -152,7 +152,7 @@ def test_truncated_answer_is_not_correct(tokenizer):
     cut = Completion(tokens=stopped.tokens[:-1], mask=stopped.mask[:-1], logprobs=stopped.logprobs[:-1],
                      finish="length")
     assert completion_text(tokenizer, cut) == completion_text(tokenizer, stopped) == "#### 42"
-    rewards, errors = rl.score_group(FlakyTask(), {"answer": "42"}, [stopped, cut], tokenizer)
+    rewards, errors = rollout.score_group(FlakyTask(), {"answer": "42"}, [stopped, cut], tokenizer)
     assert rewards == [1.0, 0.0] and errors == [False, False]
     assert tasks.completion_reward(FlakyTask(), {"answer": "42"}, "#### 42", "stop") == (1.0, False)
     assert tasks.completion_reward(FlakyTask(), {"answer": "42"}, "#### 42", "length") == (0.0, False)

@@ -1,7 +1,8 @@
 """
-Issue 13, the RL systems pieces: decontamination (tasks.NgramIndex), task mixtures with per-source accounting, the
-difficulty filter's keep rule, and the PTGS temperature controller (its example numbers, its discount, its
-checkpoint state, and the learner scoring each group at the temperature that sampled it).
+rollout.py's prompt pipeline and rollout machinery: decontamination (tasks.NgramIndex, the one rule of every stage),
+task mixtures with per-source accounting, the difficulty filter's keep rule, the PTGS temperature controller (its
+example numbers, its discount, its checkpoint state, and the learner scoring each group at the temperature that
+sampled it) and the overlapped rollout worker.
 """
 
 import json
@@ -10,10 +11,15 @@ import math
 import pytest
 import torch
 
+import model as model_module
 import rl
+import rollout
 import tasks
-from engine import Engine
-from test_rl import Broken, LengthParity, checkpoint, model, one_thread, run_rl, tokenizer  # noqa: F401 (fixtures)
+from engine import Engine, sampling_logprobs
+from model import GPT
+from tasks import SyntheticTask
+from test_rl import (Broken, LengthParity, checkpoint, close, model, one_thread, run_rl,  # noqa: F401 (fixtures)
+                     tokenizer)
 
 # -----------------------------------------------------------------------------
 # Decontamination
@@ -44,8 +50,8 @@ def test_planted_contamination_is_removed():
     # RL prompts: a training task with the test question planted among its problems
     task = tasks.SyntheticTask("train", size=20)
     task.problems[7] = {**task.problems[7], "question": GSM8K_LIKE}
-    mixture = rl.PromptMixture([("synthetic", task, 1.0)])
-    kept, dropped = rl.decontaminate_prompts(mixture, index)
+    mixture = tasks.PromptMixture([("synthetic", task, 1.0)])
+    kept, dropped = rollout.decontaminate_prompts(mixture, index)
     assert len(kept) == 19 and dropped == {"synthetic": 1}
     assert all(kept[k]["messages"][0]["content"] != GSM8K_LIKE for k in range(len(kept)))
 
@@ -77,27 +83,27 @@ def test_tiny_training_data_is_untouched_by_default():
 
 
 def test_parse_task_mixture():
-    assert rl.parse_task_mixture("synthetic") == [("synthetic", 1.0)]
-    assert rl.parse_task_mixture("synthetic:1, gsm8k:3") == [("synthetic", 1.0), ("gsm8k", 3.0)]
+    assert rollout.parse_task_mixture("synthetic") == [("synthetic", 1.0)]
+    assert rollout.parse_task_mixture("synthetic:1, gsm8k:3") == [("synthetic", 1.0), ("gsm8k", 3.0)]
     for bad in ("mmlu", "synthetic:0", "synthetic:x", "synthetic,synthetic"):
         with pytest.raises(ValueError, match="--task"):
-            rl.parse_task_mixture(bad)
+            rollout.parse_task_mixture(bad)
 
 
 def test_prompt_mixture_shares_and_single_source_identity():
     a, b = LengthParity("train", 64), LengthParity("test", 40)
-    mixture = rl.PromptMixture([("a", a, 1.0), ("b", b, 3.0)])
+    mixture = tasks.PromptMixture([("a", a, 1.0), ("b", b, 3.0)])
     assert mixture.counts() == {"a": 13, "b": 40}  # the largest total where no source repeats: b's 40 rows are 3/4
-    one = rl.PromptMixture([("a", a, 1.0)])
+    one = tasks.PromptMixture([("a", a, 1.0)])
     assert len(one) == 64 and all(one[k]["messages"] == a[k]["messages"] for k in range(64))
     assert one[5]["task_id"] == "a/5" and one.reward(one[5], "xx") == a.reward(a[5], "xx")
 
 
 def test_per_source_counts_on_a_two_source_mixture(monkeypatch, tmp_path, checkpoint, capsys):  # noqa: F811
-    # the second source's verifier always fails: its groups are dispatched and completed but never kept
+    # the second source's verifier always fails: its groups are dispatched but never kept
     tasks_by_name = {"synthetic": LengthParity, "gsm8k": Broken}
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(rl, "load_task", lambda name, split, size: tasks_by_name[name](split, size=64))
+    monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: tasks_by_name[name](split, size=64))
     rl.main(["--preset", "tiny", "--device", "cpu", "--ckpt", str(checkpoint), "--out", str(tmp_path / "rl"),
              "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8", "--eval-problems", "8",
              "--eval-samples", "2", "--num-steps", "2", "--eval-every", "2", "--task", "synthetic:1,gsm8k:1"])
@@ -106,8 +112,6 @@ def test_per_source_counts_on_a_two_source_mixture(monkeypatch, tmp_path, checkp
     record = json.loads((tmp_path / "home" / "report.jsonl").read_text().splitlines()[-1])
     s = record["sources"]
     assert s["synthetic/groups_dispatched"] > 0 and s["gsm8k/groups_dispatched"] > 0
-    for name in ("synthetic", "gsm8k"):
-        assert s[f"{name}/groups_completed"] == s[f"{name}/groups_dispatched"]
     assert s["gsm8k/groups_kept"] == s["gsm8k/valid_tokens"] == s["gsm8k/loss_mass"] == 0
     assert 0 < s["synthetic/groups_kept"] <= 2 * 4 and s["synthetic/valid_tokens"] > 0 and s["synthetic/loss_mass"] > 0
     assert "gsm8k dispatched" in text and "loss share 0.00" in text and "loss share 1.00" in text
@@ -118,8 +122,8 @@ def test_account_kept_groups_counts_tokens_and_mass_per_source(model, tokenizer)
     prompts = [tokenizer.render_for_completion(LengthParity()[i]) for i in range(2)]
     results = engine.generate(prompts, num_samples=2, max_tokens=6, seed=0)
     groups = [{"prompt": p, "completions": c, "rewards": r} for p, c, r in zip(prompts, results, ([0.0, 1.0], [1.0, 1.0]))]
-    tally = rl.source_tally(["x", "y"])
-    rl.account_kept_groups(tally, groups, ["x", "y"], 2, "std", "mean", mask_truncated=False)
+    tally = rollout.source_tally(["x", "y"])
+    rollout.account_kept_groups(tally, groups, ["x", "y"], 2, "std", "mean", mask_truncated=False)
     assert tally["source/x/valid_tokens"] == sum(len(c.tokens) for c in results[0])
     assert tally["source/y/valid_tokens"] == sum(len(c.tokens) for c in results[1])
     assert tally["source/y/loss_mass"] == 0  # no contrast, no advantage, no weight in the loss
@@ -133,11 +137,11 @@ def test_account_kept_groups_counts_tokens_and_mass_per_source(model, tokenizer)
 def test_difficulty_keep_rule_on_hand_made_counts():
     counts = [0, 1, 2, 8, 14, 15, 16]
     # n = 16, (0.1, 0.9): 1.6 < c < 14.4, i.e. 2 to 14 successes
-    assert rl.difficulty_keep(counts, 16, 0.1, 0.9) == [False, False, True, True, True, False, False]
+    assert rollout.difficulty_keep(counts, 16, 0.1, 0.9) == [False, False, True, True, True, False, False]
     # the bounds are strict: 4 of 8 is not inside (0.5, 1)
-    assert rl.difficulty_keep([4, 5, 8], 8, 0.5, 1.0) == [False, True, False]
+    assert rollout.difficulty_keep([4, 5, 8], 8, 0.5, 1.0) == [False, True, False]
     with pytest.raises(ValueError, match="LOW < HIGH"):
-        rl.difficulty_keep(counts, 16, 0.9, 0.1)
+        rollout.difficulty_keep(counts, 16, 0.9, 0.1)
 
 
 def test_difficulty_filter_runs_prints_and_caches(monkeypatch, tmp_path, checkpoint, capsys):  # noqa: F811
@@ -158,26 +162,26 @@ def test_difficulty_filter_runs_prints_and_caches(monkeypatch, tmp_path, checkpo
 
 
 def test_ptgs_example_temperatures():
-    controller = rl.TemperatureController(target=0.5, tau=1.5, t_ref=1.0)
+    controller = rollout.TemperatureController(target=0.5, tau=1.5, t_ref=1.0)
     got = [controller.temperature(p) for p in (0.1, 0.5, 0.9)]
     assert got == pytest.approx([1.5 ** 0.8, 1.0, 1.5 ** -0.8])
     assert [round(t, 2) for t in got] == [1.38, 1.00, 0.72]
     # an asymmetric target: the ends still map to T_ref * tau and T_ref / tau
-    skewed = rl.TemperatureController(target=0.8, tau=2.0, t_ref=0.7)
+    skewed = rollout.TemperatureController(target=0.8, tau=2.0, t_ref=0.7)
     assert [skewed.temperature(p) for p in (0.0, 0.8, 1.0)] == pytest.approx([1.4, 0.7, 0.35])
 
 
 def test_ptgs_discount_and_posterior():
-    controller = rl.TemperatureController(gamma=0.5, seed=0)
+    controller = rollout.TemperatureController(gamma=0.5, seed=0)
     controller.update("t", 3, 1)
     controller.update("t", 0, 4)
     assert controller.counts["t"] == [0.5 * 3 + 0, 0.5 * 1 + 4]
-    gamma1 = rl.TemperatureController(gamma=1.0)
+    gamma1 = rollout.TemperatureController(gamma=1.0)
     gamma1.update("t", 3, 1)
     gamma1.update("t", 0, 4)
     assert gamma1.counts["t"] == [3, 5]
     # a task it always solves is sampled colder than the pivot, one it never solves hotter
-    easy, hard = rl.TemperatureController(seed=1), rl.TemperatureController(seed=1)
+    easy, hard = rollout.TemperatureController(seed=1), rollout.TemperatureController(seed=1)
     for _ in range(10):
         easy.update("t", 8, 0)
         hard.update("t", 0, 8)
@@ -185,12 +189,12 @@ def test_ptgs_discount_and_posterior():
 
 
 def test_ptgs_state_survives_a_checkpoint(tmp_path):
-    controller = rl.TemperatureController(seed=3)
+    controller = rollout.TemperatureController(seed=3)
     for i in range(5):
         controller.update(f"t{i % 2}", i, 5 - i)
         controller.draw(f"t{i % 2}")
     torch.save({"ptgs": controller.state_dict()}, tmp_path / "extra.pt")
-    restored = rl.TemperatureController(seed=99)
+    restored = rollout.TemperatureController(seed=99)
     restored.load_state_dict(torch.load(tmp_path / "extra.pt", weights_only=True)["ptgs"])
     assert restored.counts == controller.counts
     assert [restored.draw("t0") for _ in range(5)] == [controller.draw("t0") for _ in range(5)]
@@ -200,20 +204,20 @@ def test_ptgs_groups_are_scored_at_their_own_temperature(model, tokenizer):  # n
     engine = Engine(model, tokenizer)
     sampling = dict(temperature=1.0, top_k=None, top_p=None)
     temperature_of = {p: t for p, t in zip(range(4), (0.7, 1.3, 0.7, 1.0))}
-    task = rl.PromptMixture([("p", LengthParity(), 1.0)])
-    groups, _ = rl.sample_groups(engine, task, 4, 3, 8, sampling, seed=0, filter_zero_contrast=False,
+    task = tasks.PromptMixture([("p", LengthParity(), 1.0)])
+    groups, _ = rollout.sample_groups(engine, task, 4, 3, 8, sampling, seed=0, filter_zero_contrast=False,
                                  temperature_of=lambda c: temperature_of[int(c["task_id"].split("/")[1]) % 4])
     temps = [g["temperature"] for g in groups]
     assert len(groups) == 4 and set(temps) <= {0.7, 1.3, 1.0} and len(set(temps)) > 1
-    rows = rl.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
+    rows = rollout.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
     rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in groups for _ in g["completions"]))]
-    batch = rl.collate_rollouts(rows, pad_id=0, device="cpu")
+    batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     with torch.no_grad():
-        logp, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"],
+        logp, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"],
                                     {**sampling, "temperature": batch["temperature"]})
         assert ((logp - batch["behavior"]).abs() * batch["mask"]).max() < 1e-4
         # one temperature for the whole batch is visibly wrong: the check can fail
-        flat, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], sampling)
+        flat, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], sampling)
         assert ((flat - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
 
 
@@ -248,25 +252,25 @@ def test_async_with_zero_delay_reproduces_synchronous_training(monkeypatch, tmp_
 
 def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp_path, checkpoint, model, capsys):  # noqa: F811
     # The worker on its own: the batch of a job carries the version it was sent and that version's log-probs.
-    task = rl.PromptMixture([("p", LengthParity(), 1.0)])
+    task = tasks.PromptMixture([("p", LengthParity(), 1.0)])
     kwargs = dict(num_groups=2, group_size=3, max_tokens=6, sampling=dict(temperature=1.0, top_k=None, top_p=None),
                   filter_zero_contrast=False)
     newer = rl.load_model(checkpoint, "cpu")[0]
     with torch.no_grad():
         for p in newer.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    worker = rl.RolloutWorker(checkpoint, "cpu", task, kwargs)
+    worker = rollout.RolloutWorker(checkpoint, "cpu", task, kwargs)
     try:
         worker.submit(5, 4, model, seed=0)  # step 5's groups with the weights after 4 updates
         step, version, groups, _, records, seconds = worker.result()
     finally:
         worker.close()
     assert (step, version) == (5, 4) and all(g["version"] == 4 for g in groups) and len(records) == 2
-    rows = rl.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
-    batch = rl.collate_rollouts(rows, pad_id=0, device="cpu")
+    rows = rollout.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
+    batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     with torch.no_grad():
-        sampler, _ = rl.token_logprobs(model, batch["inputs"], batch["targets"], kwargs["sampling"])
-        learner, _ = rl.token_logprobs(newer, batch["inputs"], batch["targets"], kwargs["sampling"])
+        sampler, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], kwargs["sampling"])
+        learner, _ = rollout.token_logprobs(newer, batch["inputs"], batch["targets"], kwargs["sampling"])
     assert ((sampler - batch["behavior"]).abs() * batch["mask"]).max() < 1e-4  # the behavior log-probs: the sampler's
     assert ((learner - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
     # The loop: step 1 is sampled by the start weights (age 0), every later step by the weights one update older.
@@ -276,3 +280,122 @@ def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp
     # and the learner sees it: its log-probs differ from the behavior ones once the sampler is a version behind
     gaps = [float(line.split("| gap ")[1].split()[0]) for line in lines]
     assert gaps[0] < 1e-5 and min(gaps[1:]) > 1e-3
+
+
+# -----------------------------------------------------------------------------
+# Sampling and the learner's view: behavior log-probs, truncation masks, dynamic sampling, oversampling
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=None, top_p=None),
+                                      dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_engine_logprobs_match_the_learner(model, tokenizer, sampling):
+    engine = Engine(model, tokenizer)
+    task = SyntheticTask("train", size=3)
+    prompts = [tokenizer.render_for_completion(task[i]) for i in range(3)]
+    results = engine.generate(prompts, num_samples=2, max_tokens=12, seed=0, **sampling)
+    groups = [{"prompt": p, "completions": c, "rewards": [0.0, 1.0]} for p, c in zip(prompts, results)]
+    rows = rollout.learner_rows(groups, 2, "std", "mean", mask_truncated=False)
+    batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
+    assert batch["mask"].sum() == sum(len(c.tokens) for r in results for c in r)  # every sampled token, nothing else
+    with torch.no_grad():
+        logp, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], sampling)
+        gap = ((logp - batch["behavior"]).abs() * batch["mask"]).max()
+        assert gap < 1e-4
+        # scoring at another temperature than the one that sampled is visibly wrong: the check can fail
+        other, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], {**sampling, "temperature": 1.5})
+        assert ((other - batch["behavior"]).abs() * batch["mask"]).max() > 1e-2
+    close(batch["advantages"], [-1, 1, -1, 1, -1, 1])
+
+
+def test_learner_logprobs_in_chunks_equal_whole_logits_in_value_and_gradient(model, monkeypatch):
+    # Broken once (chunked_logits scoring the chunks against targets shifted by one): the values differed.
+    monkeypatch.setattr(model_module, "LOGITS_CHUNK_TOKENS", 7)  # 3 x 10 positions in chunks of 7
+    sampling = dict(temperature=0.7, top_k=20, top_p=0.9)
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 400, (3, 10)), torch.randint(0, 400, (3, 10))
+    y[0, :4] = -1
+    weights = torch.rand(3, 10)
+    chunked, whole = GPT(model.config), GPT(model.config)
+    chunked.load_state_dict(model.state_dict())
+    whole.load_state_dict(model.state_dict())
+    logp, entropy = rollout.token_logprobs(chunked, x, y, sampling)
+    (logp * weights).sum().backward()
+    logprobs = sampling_logprobs(whole(x), **sampling)  # (3, 10, V): the whole logits
+    expected = logprobs.gather(-1, y.clamp(min=0)[..., None]).squeeze(-1).clamp(min=rollout.LOGP_FLOOR)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(logp, expected)
+    torch.testing.assert_close(entropy, torch.special.entr(logprobs.detach().exp()).sum(-1))
+    for (name, p), q in zip(whole.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_mask_truncated_removes_completions_that_hit_the_budget(model, tokenizer):
+    engine = Engine(model, tokenizer)
+    prompt = tokenizer.render_for_completion(SyntheticTask("train", size=1)[0])
+    (completions,) = engine.generate([prompt], num_samples=6, max_tokens=3, seed=0)
+    assert {c.finish for c in completions} == {"stop", "length"}  # some stop within 3 tokens, some do not
+    group = [{"prompt": prompt, "completions": completions, "rewards": [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]}]
+    masked = rollout.learner_rows(group, 6, "std", "mean", mask_truncated=True)
+    kept = rollout.learner_rows(group, 6, "std", "mean", mask_truncated=False)
+    assert [sum(m) for _, m, _, _ in masked] == [len(c.tokens) * (c.finish == "stop") for c in completions]
+    assert [sum(m) for _, m, _, _ in kept] == [len(c.tokens) for c in completions]
+
+
+def test_dynamic_sampling_never_returns_zero_contrast_groups(model, tokenizer):
+    engine = Engine(model, tokenizer)
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    groups, stats = rollout.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=1, max_rounds=6)
+    assert len(groups) == 6
+    assert all(len(set(g["rewards"])) > 1 for g in groups)
+    assert stats["zero_contrast"] > 0  # some were drawn and dropped, and the logs count them
+    assert stats["groups"] == 6 * stats["rounds"] and stats["completions"] == 4 * stats["groups"]
+    # without the filter the even-answer groups come through
+    unfiltered, _ = rollout.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=1, filter_zero_contrast=False)
+    assert any(len(set(g["rewards"])) == 1 for g in unfiltered)
+
+
+def test_dynamic_sampling_gives_up_after_the_cap_and_counts_verifier_errors(model, tokenizer):
+    engine = Engine(model, tokenizer)
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    groups, stats = rollout.sample_groups(engine, Broken(), 2, 3, 4, sampling, seed=0, max_rounds=3)
+    assert groups == []  # every reward is 0: nothing to learn from, and no infinite loop
+    assert stats["rounds"] == 3 and stats["completions"] == 3 * 2 * 3
+    assert stats["errors"] == stats["completions"] - stats["truncated"] > 0  # an answer that did not stop is not scored
+    assert stats["reward_sum"] == stats["correct"] == 0
+
+
+def test_one_generate_call_per_round_oversampled(model, tokenizer, monkeypatch):
+    engine = Engine(model, tokenizer)
+    calls = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda prompts, **kwargs: calls.append(len(prompts)) or
+                        generate(prompts, **kwargs))
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    groups, stats = rollout.sample_groups(engine, LengthParity(), 3, 4, 8, sampling, seed=1, max_rounds=6, oversample=2.5)
+    assert calls == [8] * stats["rounds"]  # ceil(2.5 * 3) prompts, all in one call per round
+    assert len(groups) == 3 and all(len(set(g["rewards"])) > 1 for g in groups)
+    assert stats["groups"] == 8 * stats["rounds"]
+    with pytest.raises(ValueError, match="oversample"):
+        rollout.sample_groups(engine, LengthParity(), 3, 4, 8, sampling, seed=1, oversample=0.5)
+
+
+def test_learner_logprobs_detached_are_exactly_the_old_logprobs(model, tokenizer):
+    # What skipping the no-grad old-log-prob pass (--epochs 1 --minibatches 1) relies on: before any update, the
+    # learner pass's log-probs, detached, equal that pass bit for bit, so the loss and its gradient are the same.
+    engine = Engine(model, tokenizer)
+    sampling = dict(temperature=1.0, top_k=None, top_p=None)
+    groups, _ = rollout.sample_groups(engine, LengthParity(), 2, 4, 8, sampling, seed=3, filter_zero_contrast=False)
+    rows = rollout.learner_rows(groups, 4, "std", "mean", False)
+    micro = rollout.collate_rollouts(rows, tokenizer.bos_id, "cpu")
+    with torch.no_grad():
+        old, _ = rollout.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+    results = []
+    for detached in (False, True):
+        model.zero_grad(set_to_none=True)
+        logp, _ = rollout.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
+        loss, _ = rl.policy_loss(logp, logp.detach() if detached else old, micro["advantages"], micro["mask"])
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    model.zero_grad(set_to_none=True)
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))

@@ -1,0 +1,1276 @@
+"""
+Rollouts for the RL stages (a library, like eval.py): sample groups of answers and score them, and everything that
+feeds the learner from there. Used by rl.py (GRPO family), ppo.py (PPO with a critic) and by dpo.py / rm.py for
+their self-generated preference pairs.
+
+    prompts     the --task mixture (tasks.PromptMixture, per-source accounting), decontamination
+                (tasks.decontamination_index), the difficulty filter; one entry point: prepare_prompts(args, engine, ckpt, resume, sampling)
+    sampling    sample_groups (one prefill per prompt, dynamic sampling), score_group (the verifier of every answer),
+                self_generated_pairs / preference_pairs (a right and a wrong answer of one prompt, for DPO and the
+                reward model), PTGS (TemperatureController), the overlapped RolloutWorker; one entry point:
+                Rollouts(...).next_groups(step), a step's scored groups, synchronous or from the worker
+    learner     learner rows and micro-batches exactly as sampled, token_logprobs, reward-model scores, the step's
+                tallies and log lines, the held-out evaluation and the report record shared by rl.py and ppo.py
+    objective   the policy-gradient math both loops train with: group_advantages, policy_loss, kl_penalty,
+                mismatch_weights (a stage never imports another, so it lives here; rl.py presents it)
+
+It imports only shared modules and eval; every RL stage's flags come from add_flags / finish_args, so rl.py and
+ppo.py read the same --task, sampling, loss and evaluation options the same way.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import queue
+import random
+import time
+from collections import Counter
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+import common
+from common import autocast_ctx, format_eta, get_dist_info, print0, resolve_checkpoint
+from engine import Engine, load_model, sampling_logprobs
+from eval import completion_text, evaluate_generative
+from judge import JudgedTask, add_judge_flags, judge_from_args
+from tasks import (PromptMixture, collate, completion_reward, decontamination_index, pad_sequences, prepare_rows,
+                   preference_mixture, render_pair, row_texts, task_by_name, token_budget_batches)
+
+PRESETS = {  # of both RL stages, rl.py and ppo.py: they sample the same prompts with the same budgets
+    # Synthetic arithmetic from the tiny DPO checkpoint: 7-9 minutes on 2 busy CPU cores. lr_frac: started from a weak
+    # SFT model (7% pass@1), 0.3 collapsed the policy within 30 steps and 0.1 learned too slowly to show in 40.
+    "tiny": dict(task="synthetic", train_size=5000, num_steps=50, prompts_per_step=16, group_size=8, max_tokens=48,
+                 device_batch_tokens=8192, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128,
+                 eval_samples=8, save_every=25, oversample=1.0, decontaminate=False),
+    # GSM8K on one 24 GB GPU: 32 prompts x 8 samples per step, 2x oversampled; plan(): ~4 sampling rounds per step
+    # at the 2% pass@1 assumed for depth 8, so 30 steps of <= 256 tokens (GSM8K's reference answers with calculator
+    # calls: median 103, p99 290 tokens at a 4,096-token vocabulary, fewer at 65,536: the longest ~1% may be cut)
+    # and held-out pass@1 on 100 problems instead of 200 (its standard error sqrt(2) = 1.4x as large).
+    "small": dict(task="gsm8k", train_size=None, num_steps=30, prompts_per_step=32, group_size=8, max_tokens=256,
+                  device_batch_tokens=8192, lr_frac=0.05, warmup_steps=4, eval_every=15, eval_problems=100,
+                  eval_samples=8, save_every=15, oversample=2.0, decontaminate=True),
+    # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global; 2x oversampled. plan(): ~3.7
+    # sampling rounds per step at the 5% pass@1 assumed for depth 20, rollout-bound: 100 steps (0.86 of an epoch of
+    # GSM8K train, where 200 made 1.7: less of RL's gain, unmeasured) of <= 384 tokens (every reference answer
+    # measured above fits) keep the speedrun near 4 hours.
+    "full": dict(task="gsm8k", train_size=None, num_steps=100, prompts_per_step=64, group_size=16, max_tokens=384,
+                 device_batch_tokens=16384, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400,
+                 eval_samples=8, save_every=50, oversample=2.0, decontaminate=True),
+}
+
+LOGP_FLOOR = -100.0  # log-probs are floored here: a token outside a top-k/top-p support (-inf) must not become NaN
+LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| and |log pi_trainer/pi_engine| are clamped here before exp(), as in verl:
+# with log-probs floored at -100, exp(98) overflows float32 to inf, and inf * 0 (a clipped branch) is a NaN gradient
+
+# -----------------------------------------------------------------------------
+# The objective: advantages, reward shaping, loss aggregation, policy losses, KL, engine/trainer mismatch
+
+
+def group_advantages(rewards, group_size, scale="std", baseline="mean", eps=1e-6, valid=None):
+    """
+    Advantages of rewards (N,) laid out as N / group_size consecutive groups of completions of one prompt:
+
+        baseline "mean" (GRPO):  b_i = mean_j r_j
+        baseline "loo"  (RLOO):  b_i = (sum_j r_j - r_i) / (G - 1)       leave-one-out: b_i is independent of r_i
+        A_i = r_i - b_i,   then with scale "std" (GRPO):  A_i / (std_j r_j + eps)   (population std of the group)
+                                     scale "none" (Dr. GRPO): A_i unchanged
+
+    valid (N,) bool, optional: the completions that have a reward at all (False: the verifier failed on it, and an
+    error is not a wrong answer). The sums, means and std above then run over a group's n valid members only (G = n),
+    an invalid completion gets A = 0, and a group with fewer than 2 valid members gets A = 0 throughout.
+    A group whose (valid) rewards are all equal gets A = 0 under every option. Returns (N,).
+    """
+    if baseline not in ("mean", "loo"):
+        raise ValueError(f"unknown baseline {baseline!r}; expected 'mean' or 'loo'")
+    if scale not in ("std", "none"):
+        raise ValueError(f"unknown scale {scale!r}; expected 'std' or 'none'")
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size} (need group_size >= 2)")
+    r = rewards.float().view(-1, group_size)  # (groups, G)
+    v = torch.ones_like(r) if valid is None else valid.view(-1, group_size).float()  # (groups, G)
+    n = v.sum(1, keepdim=True)  # (groups, 1) valid members
+    total = (r * v).sum(1, keepdim=True)
+    mean = total / n.clamp(min=1)
+    if baseline == "mean":
+        advantages = r - mean
+    else:
+        advantages = r - (total - r) / (n - 1).clamp(min=1)
+    if scale == "std":
+        advantages = advantages / ((((r - mean) ** 2 * v).sum(1, keepdim=True) / n.clamp(min=1)).sqrt() + eps)
+    return (advantages * v * (n >= 2)).view(-1)
+
+
+def overlong_penalty(lengths, max_tokens, buffer):
+    """
+    DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward of completions of `lengths` (N,):
+
+        0                                      if |y| <= max_tokens - buffer
+        ((max_tokens - buffer) - |y|) / buffer if max_tokens - buffer < |y| <= max_tokens   (down to -1 at the limit)
+
+    so running into the limit is discouraged smoothly instead of by a cliff. Returns (N,) float.
+    """
+    if not 0 < buffer <= max_tokens:
+        raise ValueError(f"the overlong buffer must be in (0, max_tokens={max_tokens}], got {buffer}")
+    return (((max_tokens - buffer) - lengths.float()) / buffer).clamp(-1.0, 0.0)
+
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate(values, mask, agg, max_len=None, count=None):
+    """
+    Reduce per-token values (B, T) over the tokens where mask (B, T) is 1 (verl's loss_agg_mode names):
+
+        token-mean               sum_{i,t} m v / N_tokens                     (DAPO: every token weighs the same)
+        seq-mean-token-mean      sum_i [sum_t m v / sum_t m] / N_seqs         (GRPO: the mean of sequence means)
+        seq-mean-token-sum-norm  sum_i [sum_t m v / max_len] / N_seqs         (Dr. GRPO: a constant length normaliser)
+
+    N_tokens (valid tokens) or N_seqs (sequences with at least one valid token) is `count`, default this batch's own.
+    Pass the count of the whole optimizer batch when it is split into micro-batches and across ranks: the
+    gradients then sum (over micro-batches, and over ranks with a SUM all-reduce) to those of the whole batch.
+    """
+    mask = mask.float()
+    if agg == "token-mean":
+        total = (values * mask).sum()
+        return total / max(float(mask.sum()) if count is None else count, 1.0)
+    if agg == "seq-mean-token-mean":
+        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+    elif agg == "seq-mean-token-sum-norm":
+        if max_len is None:
+            raise ValueError("seq-mean-token-sum-norm needs max_len (the generation budget, --max-tokens)")
+        per_seq = (values * mask).sum(-1) / max_len  # (B,)
+    else:
+        raise ValueError(f"unknown aggregation {agg!r}; expected one of {AGGREGATIONS}")
+    return per_seq.sum() / max(float((mask.sum(-1) > 0).sum()) if count is None else count, 1.0)
+
+
+LOSS_KINDS = ("pg", "ppo", "gspo", "cispo")
+# Each loss kind's defaults from its paper, used for --eps-low / --eps-high / --loss-agg when the flag is not given:
+#   pg, ppo  eps 0.2 (PPO, Schulman et al. 2017) / 0.28 (clip-higher, DAPO, Yu et al. 2025), token-mean (DAPO).
+#   gspo     eps 3e-4 / 4e-4 (the bounds of the GSPO experiments, Zheng et al. 2025) and seq-mean-token-mean: its
+#            objective is the mean over the G sequences of each one's clipped term; token-mean would weigh each
+#            sequence by its length.
+#   cispo    no lower bound on the importance weight, eps_low = 1 so 1 - eps_low = 0 (MiniMax-M1, 2025, sec. 3.1:
+#            "we did not impose a lower bound ... we only tuned eps_high"; 0.28 is DAPO's), and the token-level
+#            average 1 / sum_i |o_i| of its eq. 4.
+LOSS_DEFAULTS = {
+    "pg": dict(eps_low=0.2, eps_high=0.28, loss_agg="token-mean"),
+    "ppo": dict(eps_low=0.2, eps_high=0.28, loss_agg="token-mean"),
+    "gspo": dict(eps_low=3e-4, eps_high=4e-4, loss_agg="seq-mean-token-mean"),
+    "cispo": dict(eps_low=1.0, eps_high=0.28, loss_agg="token-mean"),
+}
+
+
+def policy_loss(logp, old_logp, advantages, mask, kind="ppo", eps_low=0.2, eps_high=0.28, agg="token-mean",
+                dual_clip=None, weights=None, max_len=None, count=None):
+    """
+    The policy-gradient loss of sampled tokens, to minimise. logp (B, T): log-probs of the sampled tokens under the
+    current policy (with gradient); old_logp (B, T): under the policy that sampled them, before this batch's
+    updates; advantages (B,) or (B, T); mask (B, T): 1 on tokens to train. With r_t = exp(logp_t - old_logp_t),
+    sg = stop-gradient and A the advantage, the per-token loss l_t is
+
+        pg     -A exp(logp_t - sg(logp_t))     value -A, gradient -A grad(logp_t): plain on-policy REINFORCE
+        ppo    max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high))        (PPO, Schulman et al. 2017; separate
+               bounds = clip-higher, DAPO). dual_clip c > 1 also caps the loss of A < 0 tokens at -c A (Ye et al.
+               2020), so a huge ratio on a bad token cannot dominate.
+        gspo   as ppo with the sequence ratio s = exp(mean_t (logp_t - old_logp_t)) on every token (Zheng et al. 2025):
+               a whole sequence is clipped or not; use small bounds (the paper: 3e-4 / 4e-4).
+        cispo  -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A logp_t    (MiniMax-M1, 2025): the importance weight is
+               clipped and detached, so a clipped token keeps its gradient instead of losing it as in ppo.
+               (The paper bounds the weight from above only: eps_low = 1.)
+
+    Every log-ratio (the token's, and gspo's sequence mean) is clamped to +-LOG_RATIO_CLAMP before exp(), so
+    extreme log-probs give a finite loss and finite gradients (beyond the clamp the token gets no gradient).
+    `weights` (B, T), detached, multiply l_t (the engine/trainer mismatch correction, mismatch_weights). The loss
+    is aggregate(l, mask, agg, max_len, count). Returns (loss, stats) with stats floats: clip_low / clip_high, the
+    fraction of valid tokens whose ratio was cut at the lower / upper bound (for ppo/gspo: where the clipped side
+    is active, i.e. the token gets no gradient; clip_high includes the dual-clip region A < 0, r_t > c), and
+    ratio_min / ratio_mean / ratio_max over valid tokens.
+    """
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"unknown policy loss kind {kind!r}; expected one of {LOSS_KINDS}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1 (it caps -c A where the ratio exceeds c), got {dual_clip}")
+    mask = mask.float()
+    valid = mask > 0
+    advantages = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
+    log_ratio = (logp - old_logp) * mask  # (B, T), 0 on padding
+    if kind == "gspo":
+        seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+        log_ratio = seq_log_ratio[:, None].expand_as(logp)
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T)
+    lower, upper = 1 - eps_low, 1 + eps_high
+    if kind == "pg":
+        token_loss = -advantages * (logp - logp.detach()).exp()
+        cut_low = cut_high = torch.zeros_like(valid)
+    elif kind == "cispo":
+        token_loss = -advantages * ratio.clamp(lower, upper).detach() * logp
+        cut_low, cut_high = ratio < lower, ratio > upper
+    else:  # ppo, gspo
+        token_loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(lower, upper))
+        cut_low, cut_high = (advantages < 0) & (ratio < lower), (advantages > 0) & (ratio > upper)
+        if dual_clip is not None:
+            token_loss = torch.where(advantages < 0, torch.minimum(token_loss, -advantages * dual_clip), token_loss)
+            cut_high = cut_high | ((advantages < 0) & (ratio > dual_clip))  # the loss is the constant -c A there
+    if weights is not None:
+        token_loss = token_loss * weights
+    loss = aggregate(token_loss, mask, agg, max_len=max_len, count=count)
+    num_valid = max(int(valid.sum()), 1)
+    ratio = ratio.detach()
+    stats = {"clip_low": float((cut_low & valid).sum()) / num_valid,
+             "clip_high": float((cut_high & valid).sum()) / num_valid,
+             "ratio_min": float(ratio.masked_fill(~valid, math.inf).min()),
+             "ratio_mean": float((ratio * mask).sum()) / num_valid,
+             "ratio_max": float(ratio.masked_fill(~valid, -math.inf).max())}
+    return loss, stats
+
+
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def kl_penalty(logp, ref_logp, kind="k2"):
+    """
+    Per-token estimates of KL(pi || pi_ref) from tokens sampled from pi (Schulman 2020, "Approximating KL
+    divergence"), with d = logp - ref_logp = log pi / pi_ref:
+
+        k1 = d                      unbiased value, high variance, can be negative. As a loss it teaches nothing:
+                                    its gradient grad(logp) has expectation sum_y grad pi(y) = 0 under pi
+        k2 = d^2 / 2                biased value; as a loss its gradient d grad(logp) equals, in expectation over
+                                    the next token y ~ pi(. | prefix), the gradient of KL(pi(. | prefix) || pi_ref(. |
+                                    prefix)) for that fixed prefix. It leaves out how changing pi changes which
+                                    prefixes are sampled, so it is the per-token KL's gradient, not the sequence KL's
+        k3 = exp(-d) - 1 + d        unbiased value, always >= 0 (GRPO's choice); its gradient (1 - exp(-d)) grad(logp)
+                                    is not the gradient of KL(pi || pi_ref)
+
+    The default is k2 because the penalty is used as a loss: it is its gradient that must be right. The learner scores
+    both logp and ref_logp on the untruncated temperature-scaled distributions (no top-k/top-p cut, see
+    reference_sampling): against a truncated reference a token outside its support would get ref_logp = LOGP_FLOOR
+    and k2 ~ 5e3. Returns (B, T).
+    """
+    d = logp - ref_logp
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d.square()
+    if kind == "k3":
+        return torch.exp(-d) - 1 + d
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
+
+
+def mismatch_weights(trainer_logp, engine_logp, mode="tis", cap=2.0, window=(0.5, 2.0)):
+    """
+    Per-token weights (B, T) that correct for the sampler not being the learner: the engine sampled with
+    engine_logp, but the loss assumes the trainer's own log-probs trainer_logp at the same weights. With
+    rho_t = exp(trainer_logp_t - engine_logp_t):
+
+        none   w_t = 1
+        tis    w_t = min(rho_t, cap)                   truncated importance sampling (Yao et al. 2025)
+        mask   w_t = 1 if low <= rho_t <= high else 0  tokens the two disagree on are dropped (IcePop / MIS)
+
+    log rho_t is clamped to +-LOG_RATIO_CLAMP first, so the weights are finite. Returns detached weights.
+    """
+    rho = (trainer_logp - engine_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    if mode == "none":
+        return torch.ones_like(rho)
+    if mode == "tis":
+        return rho.clamp(max=cap)
+    if mode == "mask":
+        low, high = window
+        return ((rho >= low) & (rho <= high)).float()
+    raise ValueError(f"unknown mismatch correction {mode!r}; expected none, tis or mask")
+
+
+def normalize_scores(scores, eps=1e-6):
+    """
+    Per-batch normalisation of reward-model scores (N,): z = (s - mean(s)) / (std(s) + eps), population std, over
+    the step's completions (each rank's own). A reward model's scale and offset are arbitrary (only
+    differences are trained); fixing them per batch keeps the KL coefficient and the critic's targets on one scale.
+    (GRPO's std-scaled group advantages are unchanged by it; the KL term's weight relative to the reward is not.)
+    """
+    return (scores - scores.mean()) / (scores.std(unbiased=False) + eps)
+
+
+# -----------------------------------------------------------------------------
+# Sampling groups and scoring them
+
+
+def mix_seed(*numbers):
+    """A 63-bit seed from several values (base seed, step, rank, round): every call site gets its own stream."""
+    digest = hashlib.sha256(",".join(map(str, numbers)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def score_group(task, conversation, completions, tokenizer):
+    """
+    (rewards, errors) of one prompt's completions, lists of floats and bools (tasks.completion_reward): the
+    verifier's reward, 0 for an answer that ran into max_tokens, 0 and error True where the verifier failed.
+    """
+    scored = [completion_reward(task, conversation, completion_text(tokenizer, c), c.finish) for c in completions]
+    return [reward for reward, _ in scored], [error for _, error in scored]
+
+
+def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed, filter_zero_contrast=True,
+                  max_rounds=4, overlong_buffer=0, rank=0, world_size=1, oversample=1.0, temperature_of=None,
+                  on_group=None):
+    """
+    Roll out `num_groups` groups of `group_size` completions on this rank. Each round takes
+    ceil(oversample * num_groups) prompts of `task`, generates all their groups in one Engine.generate call, scores
+    them, and keeps groups in order until num_groups are kept (oversample > 1: more groups per call, so that fewer
+    rounds are needed when most groups have no contrast). The prompts of a whole step are one draw without
+    replacement (seeded by `seed`, which must be the same on every rank): round k of rank r takes chunk
+    k * world_size + r of it, so a step never holds the same prompt twice, across rounds or ranks; the sampling
+    noise differs per rank and round.
+
+    With filter_zero_contrast (DAPO's dynamic sampling), a group without contrast is dropped and sampling
+    continues, for at most max_rounds rounds (or until the task has no unseen prompt left): the batch may then come
+    back short, never with a zero-contrast group. Contrast is decided on the verifier's rewards of the completions
+    it scored without error (DAPO keeps 0 < accuracy < 1), never on shaped rewards: a group whose answers are all
+    right must not pass because one ran into the overlong buffer, or std scaling would turn a 1/64 length penalty
+    into full-size advantages. overlong_buffer > 0 then adds overlong_penalty to each reward of the kept groups:
+    within a group that has contrast, shaping moves each advantage by its penalty / the group's std.
+
+    Returns (groups, stats). A group is {"prompt": ids, "completions": [Completion], "rewards": [float] (shaped),
+    "errors": [bool] (the verifier failed: no reward, left out of training by learner_rows)}; stats are sums over
+    every sampled group, kept or not: the logs count the outcomes of filtered groups too.
+
+    temperature_of(conversation) -> float, optional (PTGS): each group's sampling temperature, drawn once before
+    generation; prompts of equal temperature share one generate call, and a kept group carries "temperature".
+    on_group(conversation, rewards, errors, kept), optional: called for every scored group, kept or dropped (the
+    per-source accounting and the PTGS posterior see the outcomes before zero-contrast groups are dropped).
+    """
+    if oversample < 1:
+        raise ValueError(f"oversample must be >= 1 (prompts per round = oversample x groups needed), "
+                         f"got {oversample}")
+    tokenizer = engine.tokenizer
+    per_round = math.ceil(oversample * num_groups)
+    draws = random.Random(seed).sample(range(len(task)), min(len(task), max_rounds * world_size * per_round))
+    groups = []
+    stats = dict.fromkeys(["groups", "completions", "reward_sum", "reward_sq_sum", "correct", "errors",
+                           "zero_contrast", "length_sum", "truncated", "rounds"], 0)
+    stats["length_max"] = 0
+    for round_index in range(max_rounds):
+        start = (round_index * world_size + rank) * per_round
+        indices = draws[start:start + per_round]
+        if not indices:  # every prompt of the task is already in this step
+            break
+        conversations = [task[i] for i in indices]
+        prompts = [tokenizer.render_for_completion(c) for c in conversations]
+        if temperature_of is None:
+            temperatures = [sampling["temperature"]] * len(prompts)
+            results = engine.generate(prompts, num_samples=group_size, max_tokens=max_tokens,
+                                      seed=mix_seed(seed, rank, round_index), **sampling)
+        else:
+            temperatures = [temperature_of(c) for c in conversations]
+            results = [None] * len(prompts)
+            for t in sorted(set(temperatures)):
+                same = [i for i, ti in enumerate(temperatures) if ti == t]
+                out = engine.generate([prompts[i] for i in same], num_samples=group_size, max_tokens=max_tokens,
+                                      seed=mix_seed(seed, rank, round_index, t), **{**sampling, "temperature": t})
+                for i, completions in zip(same, out):
+                    results[i] = completions
+        stats["rounds"] += 1
+        for conversation, prompt, completions, temperature in zip(conversations, prompts, results, temperatures):
+            rewards, errors = score_group(task, conversation, completions, tokenizer)
+            lengths = torch.tensor([len(c.tokens) for c in completions])
+            shaped = torch.tensor(rewards)
+            if overlong_buffer > 0:
+                shaped = shaped + overlong_penalty(lengths, max_tokens, overlong_buffer)
+            zero_contrast = len({r for r, error in zip(rewards, errors) if not error}) < 2
+            stats["groups"] += 1
+            stats["completions"] += len(completions)
+            stats["reward_sum"] += sum(rewards)
+            stats["reward_sq_sum"] += sum(r * r for r in rewards)
+            stats["correct"] += sum(r > 0 for r in rewards)
+            stats["errors"] += sum(errors)
+            stats["zero_contrast"] += zero_contrast
+            stats["length_sum"] += int(lengths.sum())
+            stats["length_max"] = max(stats["length_max"], int(lengths.max()))
+            stats["truncated"] += sum(c.finish == "length" for c in completions)
+            kept = len(groups) < num_groups and not (filter_zero_contrast and zero_contrast)
+            if on_group is not None:
+                on_group(conversation, rewards, errors, kept)
+            if kept:
+                groups.append({"prompt": prompt, "completions": completions, "rewards": shaped.tolist(),
+                               "errors": errors, **({"temperature": temperature} if temperature_of else {})})
+        if len(groups) == num_groups:
+            break
+    return groups, stats
+
+
+def _rollout_worker(ckpt, device, num_threads, task, sample_kwargs, jobs, results):
+    """The rollout process: its own copy of the model; one job = one step's groups with the weights it was sent."""
+    torch.set_num_threads(num_threads)
+    model, tokenizer, _ = load_model(ckpt, device)
+    engine = Engine(model, tokenizer)
+    while (job := jobs.get()) is not None:
+        step, version, state, seed = job
+        model.load_state_dict(state)
+        records = []  # (source, kept) of every scored group: the learner's per-source accounting
+        t0 = time.time()
+        with autocast_ctx(device):
+            groups, stats = sample_groups(engine, task, seed=seed, **sample_kwargs,
+                                          on_group=lambda c, rewards, errors, kept: records.append((c["source"], kept)))
+        for group in groups:
+            group["version"] = version
+        results.put((step, version, groups, stats, records, time.time() - t0))
+
+
+class RolloutWorker:
+    """
+    Overlapped rollouts (--async; AReaL, Fu et al. 2025; verl's one-step off-policy mode): a separate process with
+    its own copy of the model generates the groups of a step while the learner updates on the previous ones.
+    submit(step, version, model, seed) sends the learner's current weights (version: the number of updates behind
+    them) and asks for step's groups; result() waits for the next batch. Every group records the version that
+    sampled it (all its completions share it) and its completions the behavior log-probs of that version, so the learner's mismatch correction (mismatch_weights:
+    pi_learner / pi_behavior, truncated) covers the staleness as it covers the engine/trainer gap. With delay 1 the
+    loop submits step k + 1 with the weights of step k before it updates on step k; with delay 0 after the update:
+    the same batches as the synchronous loop, only in another process.
+    """
+
+    def __init__(self, ckpt, device, task, sample_kwargs):
+        context = torch.multiprocessing.get_context("spawn")
+        self.jobs, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=_rollout_worker, daemon=True,
+                                       args=(str(ckpt), str(device), torch.get_num_threads(), task, sample_kwargs,
+                                             self.jobs, self.results))
+        self.process.start()
+
+    def submit(self, step, version, model, seed):
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self.jobs.put((step, version, state, seed))
+
+    def result(self):
+        while True:
+            try:
+                return self.results.get(timeout=10)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the rollout worker died (exit code {self.process.exitcode})") from None
+
+    def close(self):
+        self.jobs.put(None)
+        self.process.join(timeout=30)
+
+
+def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64,
+                         unpaired=False):
+    """
+    On-policy preference pairs: sample `num_samples` answers to each task[i] with the engine, score each with
+    score_group, and pair one correct answer (reward > 0) with one incorrect answer, each drawn at random
+    among its kind; a prompt whose answers are all right or all wrong gives no pair. An answer that ran into
+    max_tokens is incorrect whatever its text (it may be a rejected answer, never a chosen one: the pair then
+    teaches to stop). An answer the verifier failed on (crash, timeout, nonsense) is neither: it is left out of the
+    pair, and a prompt whose every answer errored counts as "unscored". The pair is made of the engine's own token
+    ids, never re-tokenized: ids = prompt + completion tokens, mask = 0 on the prompt and the completion's mask (1
+    where the model sampled the token, 0 on forced tool outputs). Returns (pairs as ((ids, mask), (ids, mask)),
+    Counter of outcomes per prompt, plus "verifier errors" and "truncated" counted per answer).
+    unpaired=True (KTO's data): no pairing; every distinct scored answer of every prompt is an example
+    ((ids, mask), desirable), desirable = correct; the Counter has "desirable" and "undesirable" per answer.
+    A task with a prefetch method (judge.JudgedTask) gets each batch's finished answers at once first.
+    """
+    pairs, stats = [], Counter()
+    for start in range(0, len(indices), prompts_per_batch):
+        batch = indices[start:start + prompts_per_batch]
+        conversations = [task[i] for i in batch]
+        prompts = [engine.tokenizer.render_for_completion(c) for c in conversations]
+        results = engine.generate(prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
+                                  seed=seed + start)
+        if hasattr(task, "prefetch"):  # a judge: score the batch's finished answers concurrently, then one by one
+            task.prefetch([(conversation, completion_text(engine.tokenizer, completion))
+                           for conversation, completions in zip(conversations, results)
+                           for completion in completions if completion.finish == "stop"])
+        for i, conversation, prompt, completions in zip(batch, conversations, prompts, results):
+            correct, incorrect = [], []
+            for completion, reward, error in zip(completions, *score_group(task, conversation, completions,
+                                                                           engine.tokenizer)):
+                stats["verifier errors"] += int(error)
+                stats["truncated"] += int(completion.finish == "length")
+                stats["sampled tokens"] += len(completion.tokens)
+                if not error:
+                    (correct if reward > 0 else incorrect).append(completion)
+            if unpaired:
+                for desirable, kind in ((True, correct), (False, incorrect)):
+                    distinct = dict.fromkeys((tuple(c.tokens), tuple(c.mask)) for c in kind)  # first-seen order
+                    pairs.extend(((prompt + list(tokens), [0] * len(prompt) + list(mask)), desirable)
+                                 for tokens, mask in distinct)
+                    stats["desirable" if desirable else "undesirable"] += len(distinct)
+                continue
+            if not correct or not incorrect:
+                stats["all correct" if correct else "all incorrect" if incorrect else "unscored"] += 1
+                continue
+            rng = random.Random(f"{seed}-{i}")
+            chosen, rejected = rng.choice(correct), rng.choice(incorrect)
+            pairs.append(tuple((prompt + c.tokens, [0] * len(prompt) + c.mask) for c in (chosen, rejected)))
+            stats["paired"] += 1
+    return pairs, stats
+
+
+def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, task=None, samples=8, max_new_tokens=64,
+                     temperature=1.0, seed=0, index=None, unpaired=False):
+    """
+    This rank's share of the preference pairs of `split` (DPO's and the reward model's data), as
+    ((ids, mask), (ids, mask)):
+        source "self-generated": `engine` samples `samples` answers to each of this rank's problems of `task`
+            (seed + 1_000_003 * rank) and self_generated_pairs pairs a right one with a wrong one; pairs with a side
+            longer than max_seq_len are dropped ("too long");
+        else the static preference_mixture(source, ...) ("synthetic" or "ultrafeedback"), rendered by render_pair.
+    index (tasks.NgramIndex, optional): problems and rows that overlap an evaluation set are skipped ("contaminated").
+    Returns (pairs, counts of what happened to the rows of all ranks, [(pairs, tokens of both sides)] per rank).
+    unpaired=True (KTO): examples ((ids, mask), desirable) instead of pairs: self-generated, every distinct scored
+    answer labelled by the verifier (self_generated_pairs(unpaired=True)); static, each pair split into its chosen
+    (desirable) and rejected (undesirable) answer.
+    """
+    _, rank, _, world_size = common.get_dist_info()
+    sides = (lambda item: item[:1]) if unpaired else (lambda item: item)  # the token sequences of a pair or example
+    if source == "self-generated":
+        indices = list(range(rank, len(task), world_size))
+        clean = [i for i in indices if index is None or not index.contaminated(task[i])]
+        contaminated, indices = len(indices) - len(clean), clean
+        with autocast_ctx(next(engine.model.parameters()).device):
+            pairs, counts = self_generated_pairs(engine, task, indices, samples, max_new_tokens, temperature,
+                                                 seed=seed + 1_000_003 * rank, unpaired=unpaired)
+        fits = [max(len(ids) for ids, _ in sides(item)) <= max_seq_len for item in pairs]
+        counts["too long"] = fits.count(False)
+        if unpaired:
+            for (_, desirable), fit in zip(pairs, fits):
+                counts["desirable" if desirable else "undesirable"] -= int(not fit)
+        else:
+            counts["paired"] -= counts["too long"]
+        if index is not None:
+            counts["contaminated"] = contaminated
+        pairs = [pair for pair, fit in zip(pairs, fits) if fit]
+    else:
+        mixture = preference_mixture(source, split, size, seed)
+        print0(f"{split} mixture:\n{mixture.summary()}")
+        pairs, skipped = prepare_rows(mixture, partial(render_pair, tokenizer, max_seq_len=max_seq_len),
+                                      range(rank, len(mixture), world_size), index=index)
+        counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
+        counts["paired"] = len(pairs)
+        if unpaired:
+            pairs = [example for chosen, rejected in pairs for example in ((chosen, True), (rejected, False))]
+    share = (counts, len(pairs), sum(len(ids) for item in pairs for ids, _ in sides(item)))
+    shares = [share]
+    if dist.is_initialized():
+        shares = [None] * world_size
+        dist.all_gather_object(shares, share)
+    return pairs, sum((s[0] for s in shares), Counter()), [s[1:] for s in shares]
+
+
+# -----------------------------------------------------------------------------
+# The learner's view of a rollout
+
+
+def learner_rows(groups, group_size, adv_scale, adv_baseline, mask_truncated, raw_rewards=False):
+    """
+    One row per completion: (ids, mask, behavior_logprobs, advantage), ids = prompt + completion tokens exactly as
+    sampled, mask 0 on the prompt and on forced tool output (and on the whole completion if it hit max_tokens and
+    mask_truncated is set), behavior_logprobs the engine's log-prob of each token (0 on the prompt).
+    A completion the verifier failed on (group["errors"], optional) is dropped from training: mask 0, advantage 0,
+    and its group's baseline and std are those of the others (group_advantages' valid).
+    raw_rewards: the last element is the completion's reward instead (ppo.py turns it into per-token ones).
+    """
+    if not groups:
+        return []
+    rewards = torch.tensor([r for g in groups for r in g["rewards"]])
+    errors = [error for g in groups for error in g.get("errors", [False] * len(g["rewards"]))]
+    advantages = rewards.tolist() if raw_rewards else group_advantages(
+        rewards, group_size, scale=adv_scale, baseline=adv_baseline,
+        valid=~torch.tensor(errors, dtype=torch.bool)).tolist()
+    rows = []
+    for g, group in enumerate(groups):
+        for j, completion in enumerate(group["completions"]):
+            keep = not (mask_truncated and completion.finish == "length") and not errors[g * group_size + j]
+            mask = [0] * len(group["prompt"]) + [m * keep for m in completion.mask]
+            behavior = [0.0] * len(group["prompt"]) + completion.logprobs
+            rows.append((group["prompt"] + completion.tokens, mask, behavior, advantages[g * group_size + j]))
+    return rows
+
+
+def collate_rollouts(rows, pad_id, device):
+    """
+    Micro-batch tensors of learner rows, aligned for next-token prediction (position t predicts ids[t + 1]):
+    inputs, targets (B, T) from tasks.collate (target -1 where not trained), mask (B, T) float,
+    behavior (B, T) the engine's log-prob of targets[:, t], advantages (B,); rows with a fifth element, the
+    temperature their group was sampled at (PTGS), also give temperature (B,).
+    """
+    inputs, targets = collate([(ids, mask) for ids, mask, *_ in rows], pad_id)
+    behavior = torch.zeros(targets.shape)
+    for b, (ids, _, logprobs, *_) in enumerate(rows):
+        behavior[b, :len(ids) - 1] = torch.tensor(logprobs[1:])
+    micro = {"inputs": inputs.to(device), "targets": targets.to(device), "mask": (targets >= 0).float().to(device),
+             "behavior": behavior.to(device), "advantages": torch.tensor([row[3] for row in rows]).to(device)}
+    if rows and len(rows[0]) > 4:
+        micro["temperature"] = torch.tensor([row[4] for row in rows], dtype=torch.float32).to(device)
+    return micro
+
+
+def reference_sampling(sampling):
+    """
+    The distributions the KL penalty compares: the sampling temperature without the top-k/top-p cut. Truncation is
+    a decoding choice, not part of either model; a truncated reference gives the tokens outside its support
+    log-prob LOGP_FLOOR (an infinite KL, floored). Scoring the policy's side the same way keeps the KL 0 at equal
+    weights; it costs a second forward pass of the policy when --top-k/--top-p are set.
+    """
+    return {**sampling, "top_k": None, "top_p": None}
+
+
+def token_logprobs(model, inputs, targets, sampling):
+    """
+    (logp, entropy), both (B, T): the log-prob of each target token under the distribution the engine samples
+    from (engine.sampling_logprobs: same temperature, top-k, top-p) and that distribution's entropy (no gradient).
+    Computed a chunk of positions at a time (GPT.chunked_logits): the (B, T, V) logits never exist whole.
+    sampling["temperature"] may be a tensor (B,), one per row (PTGS): the logits are divided by it first, which is
+    what sampling_logprobs does with a scalar before its top-k/top-p cut.
+    """
+    row_temperature = ()
+    if torch.is_tensor(sampling["temperature"]):  # per row: expanded to every position, chunked like the targets
+        row_temperature = (sampling["temperature"].to(inputs.device, torch.float32)[:, None].expand(targets.shape),)
+        sampling = {**sampling, "temperature": 1.0}
+
+    def score(logits, target, *temperature):  # (N, V), (N,), optionally (N,)
+        if temperature:
+            logits = logits / temperature[0][:, None]
+        logprobs = sampling_logprobs(logits, **sampling)  # (N, V)
+        logp = logprobs.gather(-1, target.clamp(min=0)[:, None]).squeeze(-1).clamp(min=LOGP_FLOOR)  # (N,)
+        entropy = torch.special.entr(logprobs.detach().exp()).sum(-1)  # (N,); entr(0) = 0 where top-k/top-p cut
+        return logp, entropy
+
+    with autocast_ctx(inputs.device):
+        return model.chunked_logits(model.hidden(inputs), score, targets, *row_temperature)
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, groups, pad_id, device, batch_tokens):
+    """
+    The reward model's raw score of every completion of `groups` (prompt + completion tokens, as sampled), read at
+    the completion's last token (its <|assistant_end|>, or where max_tokens cut it), in group order: (N,) float.
+    Scored in micro-batches of at most batch_tokens padded positions (tasks.token_budget_batches).
+    """
+    sequences = [group["prompt"] + completion.tokens for group in groups for completion in group["completions"]]
+    scores = torch.zeros(len(sequences), device=device)
+    for batch in token_budget_batches([[len(s)] for s in sequences], batch_tokens)[0]:
+        ids, lengths = pad_sequences([sequences[i] for i in batch], pad_id)
+        with autocast_ctx(device):
+            values = reward_model(ids.to(device))  # (B, T)
+        scores[batch] = values.gather(1, (lengths.to(device) - 1)[:, None]).squeeze(1).float()
+    return scores
+
+
+def all_reduce_gradients(model):
+    """
+    Sum gradients over ranks. Not DistributedDataParallel: dynamic sampling leaves ranks with different numbers
+    of micro-batches, and DDP's per-backward all-reduce would have to be paired up across ranks.
+    """
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+
+
+def reduce_tally(tally, device):
+    """
+    A step's tally summed over ranks (keys ending in _min / _max: the min / max). Every rank must pass the same
+    keys in the same order.
+    """
+    if not dist.is_initialized():
+        return tally
+    reduced = {}
+    for op, keys in ((dist.ReduceOp.SUM, [k for k in tally if not k.endswith(("_min", "_max"))]),
+                     (dist.ReduceOp.MIN, [k for k in tally if k.endswith("_min")]),
+                     (dist.ReduceOp.MAX, [k for k in tally if k.endswith("_max")])):
+        values = torch.tensor([float(tally[k]) for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(values, op=op)
+        reduced.update(zip(keys, values.tolist()))
+    return reduced
+
+
+# -----------------------------------------------------------------------------
+# Prompts: task mixtures with per-source accounting, decontamination, difficulty filtering; PTGS
+
+
+def parse_task_mixture(spec):
+    """
+    '--task' as [(name, weight)]: 'synthetic' -> [('synthetic', 1.0)]; 'synthetic:1,gsm8k:2' -> two sources,
+    weights relative. Raises ValueError on an unknown name, a repeated one or a weight that is not > 0.
+    """
+    sources = []
+    for part in spec.split(","):
+        name, _, weight = part.strip().partition(":")
+        try:
+            weight = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"--task {spec!r}: weight {weight!r} of {name!r} is not a number") from None
+        if name not in ("synthetic", "gsm8k", "ultrafeedback"):
+            raise ValueError(f"--task {spec!r}: unknown task {name!r}; expected synthetic, gsm8k or ultrafeedback "
+                             "(name:weight, ...)")
+        if not weight > 0 or name in dict(sources):
+            raise ValueError(f"--task {spec!r}: each task once, with a weight > 0 (got {name!r}: {weight})")
+        sources.append((name, weight))
+    return sources
+
+
+def decontaminate_prompts(mixture, index):
+    """(the mixture without prompts that overlap an evaluation set, {source: prompts dropped}); see tasks.decontamination_index."""
+    dirty = [index.contaminated(mixture[k]) for k in range(len(mixture))]
+    dropped = {name: sum(d and mixture.rows[k][0] == name for k, d in enumerate(dirty)) for name in mixture.tasks}
+    return mixture.keep([k for k, d in enumerate(dirty) if not d]), dropped
+
+
+def difficulty_keep(successes, n, low, high):
+    """
+    The difficulty filter's rule: keep a prompt whose success rate c / n over n samples lies strictly inside
+    (low, high). A prompt the start model always or never solves gives every group zero contrast, so no gradient.
+    successes: counts per prompt. Returns a list of bools.
+    """
+    if not 0 <= low < high <= 1:
+        raise ValueError(f"--difficulty-filter needs 0 <= LOW < HIGH <= 1, got {low} {high}")
+    return [low < c / n < high for c in successes]
+
+
+def difficulty_filter(engine, mixture, n, low, high, max_tokens, sampling, seed, cache):
+    """
+    Sample n answers to every prompt of the mixture with the starting checkpoint and keep those with
+    difficulty_keep. Prints the histogram of success counts and the kept count. The counts are cached in `cache`
+    (a json file whose name keys the checkpoint, task, n and sampling) and reused when it exists.
+    Returns (the kept mixture, the success counts).
+    """
+    if cache.exists():
+        successes = json.loads(cache.read_text())["successes"]
+        print0(f"difficulty filter: success counts of {len(successes)} prompts from {cache}")
+    else:
+        result = evaluate_generative(engine, mixture, list(range(len(mixture))), num_samples=n, ks=(1,),
+                                     max_tokens=max_tokens, seed=seed, label="difficulty filter", **sampling)
+        successes = result["correct"].tolist()
+        if get_dist_info()[1] == 0:
+            cache.write_text(json.dumps({"successes": successes}))
+    if len(successes) != len(mixture):
+        raise ValueError(f"{cache} holds {len(successes)} counts for {len(mixture)} prompts; delete it")
+    keep = difficulty_keep(successes, n, low, high)
+    histogram = Counter(successes)
+    print0("difficulty filter: successes out of {n}: ".format(n=n)
+           + " ".join(f"{c}:{histogram[c]}" for c in range(n + 1)))
+    print0(f"difficulty filter: kept {sum(keep)} of {len(mixture)} prompts with success rate in ({low}, {high})")
+    return mixture.keep([k for k, kept in enumerate(keep) if kept]), successes
+
+
+class TemperatureController:
+    """
+    PTGS, per-task exploration temperature. For each recurring task id it keeps discounted success and failure
+    counts, updated from a group's outcomes as  s <- gamma s + successes,  f <- gamma f + failures  (gamma = 1: plain
+    counts; 0: only the last group). Before a group is generated it draws p ~ Beta(a + s, b + f), with the prior
+    a = k q, b = k (1 - q) centred on the target success rate q (k = prior_strength), and maps the draw to
+
+        T = T_ref * tau ** ((q - p) / q)          if p <= q   (a hard task: up to T_ref * tau, explore more)
+        T = T_ref * tau ** ((q - p) / (1 - q))    if p > q    (an easy task: down to T_ref / tau, sharpen)
+
+    so T = T_ref at p = q. With q = 0.5, tau = 1.5, T_ref = 1 the draws 0.1, 0.5, 0.9 give 1.5^0.8 = 1.383,
+    1.000 and 1.5^-0.8 = 0.723. The state (counts and the RNG) goes into the checkpoint.
+    """
+
+    def __init__(self, target=0.5, tau=1.5, t_ref=1.0, gamma=0.9, prior_strength=2.0, seed=0):
+        if not 0 < target < 1 or not tau >= 1 or not t_ref > 0 or not 0 <= gamma <= 1 or not prior_strength > 0:
+            raise ValueError(f"PTGS needs 0 < q < 1, tau >= 1, T_ref > 0, 0 <= gamma <= 1, prior > 0; got q {target}, "
+                             f"tau {tau}, T_ref {t_ref}, gamma {gamma}, prior {prior_strength}")
+        self.target, self.tau, self.t_ref, self.gamma, self.prior_strength = target, tau, t_ref, gamma, prior_strength
+        self.counts = {}  # task id -> [s, f]
+        self.rng = random.Random(seed)
+
+    def temperature(self, p):
+        q = self.target
+        return self.t_ref * self.tau ** ((q - p) / (q if p <= q else 1 - q))
+
+    def draw(self, task_id):
+        s, f = self.counts.get(task_id, (0.0, 0.0))
+        a, b = self.prior_strength * self.target, self.prior_strength * (1 - self.target)
+        return self.temperature(self.rng.betavariate(a + s, b + f))
+
+    def update(self, task_id, successes, failures):
+        s, f = self.counts.get(task_id, (0.0, 0.0))
+        self.counts[task_id] = [self.gamma * s + successes, self.gamma * f + failures]
+
+    def state_dict(self):
+        return {"counts": self.counts, "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state):
+        self.counts = {k: list(v) for k, v in state["counts"].items()}
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+
+
+SOURCE_FIELDS = ("groups_dispatched", "groups_kept", "valid_tokens", "loss_mass")
+
+
+def source_tally(sources):
+    """Zeroed per-source counters, one flat key per (source, field): the same keys on every rank (reduce_tally)."""
+    return {f"source/{name}/{field}": 0.0 for name in sources for field in SOURCE_FIELDS}
+
+
+def account_kept_groups(tally, groups, sources, group_size, adv_scale, adv_baseline, mask_truncated):
+    """
+    Per source, the kept groups' valid tokens (mask 1) and their loss mass: sum over valid tokens of |A|, the
+    weight each source has in the token-mean policy gradient. Adds to tally (source_tally keys).
+    """
+    for name in set(sources):
+        mine = [g for g, source in zip(groups, sources) if source == name]
+        for _, mask, _, advantage in learner_rows(mine, group_size, adv_scale, adv_baseline, mask_truncated):
+            tally[f"source/{name}/valid_tokens"] += sum(mask)
+            tally[f"source/{name}/loss_mass"] += abs(advantage) * sum(mask)
+
+
+# -----------------------------------------------------------------------------
+# The two RL stages' shared flags, and the entry points that keep the systems glue out of their main()
+
+
+def add_flags(parser):
+    """The flags rl.py and ppo.py share: data and rollouts, the reward, the policy loss and KL, optimization, eval."""
+    add = parser.add_argument
+    # data and rollouts
+    add("--task", help="training prompts and verifier: synthetic, gsm8k, ultrafeedback (prompts with no verifier, for "
+                       "--reward rm), or a weighted mixture 'synthetic:1,gsm8k:1' (weights are shares of the prompts; "
+                       "logs count each source apart); held-out splits evaluated")
+    add("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
+        help="drop training prompts that overlap an evaluation set in use or the held-out problems "
+             "(tasks.decontamination_index, 13-grams); default on for full, off for tiny (the synthetic family is "
+             "split by question hash)")
+    add("--difficulty-filter", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+        help="before RL, sample --difficulty-samples answers per training prompt with the start checkpoint and keep "
+             "prompts whose success rate is strictly inside (LOW, HIGH), e.g. 0.1 0.9 (cached in the checkpoint)")
+    add("--difficulty-samples", type=int, default=16, help="answers per prompt for --difficulty-filter")
+    add("--ptgs", action="store_true",
+        help="per-task sampling temperature (PTGS, see TemperatureController); the learner scores each group at its "
+             "temperature, around the pivot --temperature")
+    add("--ptgs-target", type=float, default=0.5, help="PTGS target success rate q (the prior's mean, the pivot)")
+    add("--ptgs-tau", type=float, default=1.5, help="PTGS temperature range: T in [T_ref / tau, T_ref * tau]")
+    add("--ptgs-gamma", type=float, default=0.9, help="PTGS discount of a task's past successes and failures")
+    add("--ptgs-prior", type=float, default=2.0, help="PTGS prior strength k: Beta(k q, k (1 - q))")
+    add("--async", dest="async_rollouts", action="store_true",
+        help="overlapped rollouts: a worker process generates step k + 1 with the weights of step k while the learner "
+             "updates on step k (one step off policy; see RolloutWorker)")
+    add("--async-delay", type=int, choices=(0, 1), default=1,
+        help="policy versions between sampler and learner under --async (0: no overlap, the synchronous batches)")
+    add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
+    add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
+    add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
+    add("--group-size", type=int, help="completions sampled per prompt (G)")
+    add("--max-tokens", type=int, help="generation budget per completion, forced tool output included")
+    add("--temperature", type=float, default=1.0, help="sampling temperature; the learner scores at the same one")
+    add("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
+    add("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1, no cut)")
+    add("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
+        help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
+    add("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
+    add("--oversample", type=float,
+        help="prompts per sampling round = oversample x the groups needed, all in one generate call; the first "
+             "groups with contrast are kept (e.g. 2-3 when most groups have none; 1: off; preset tiny 1, small and "
+             "full 2)")
+    add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
+    add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
+    add("--reward", choices=["verifier", "rm", "judge"], default="verifier",
+        help="verifier: the task's exact check; rm: the --rm-ckpt reward model's score of each completion, normalised "
+             "per batch (normalize_scores); judge: the --judge-url LM judge's score / max_score (0 for a broken hard "
+             "rule; judge.py); with rm or judge the verifier only measures (reward/accuracy, held-out pass@1)")
+    add("--rm-ckpt", default=None, help="reward model checkpoint of rm.py (--reward rm)")
+    add_judge_flags(parser)
+    # the policy loss
+    add("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see policy_loss)")
+    add("--eps-low", type=float, default=None,
+        help="lower clip: ratio >= 1 - eps_low (default per --loss, see LOSS_DEFAULTS: ppo 0.2, gspo 3e-4, cispo 1)")
+    add("--eps-high", type=float, default=None,
+        help="upper clip: ratio <= 1 + eps_high (default per --loss: ppo 0.28 clip-higher, gspo 4e-4, cispo 0.28)")
+    add("--dual-clip", type=float, default=None,
+        help="cap the loss of negative-advantage tokens at -c A, c > 1 (e.g. 3; ppo and gspo)")
+    add("--loss-agg", choices=AGGREGATIONS, default=None,
+        help="how token losses are averaged (default per --loss: token-mean, gspo seq-mean-token-mean)")
+    add("--kl-coef", type=float, default=None,
+        help="KL(pi || pi_ref) penalty weight, on the untruncated temperature-scaled distributions even with "
+             "--top-k/--top-p (reference_sampling); 0 loads no reference model (default: 0, or 0.05 with --reward rm: "
+             "a learned reward can be exploited, a verifier cannot)")
+    add("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see kl_penalty)")
+    add("--mismatch", choices=["none", "tis", "mask"], default="tis",
+        help="engine/trainer log-prob mismatch correction (see mismatch_weights)")
+    add("--tis-cap", type=float, default=2.0, help="truncation of the importance weight (--mismatch tis)")
+    add("--mask-window", type=float, nargs=2, default=(0.5, 2.0), metavar=("LOW", "HIGH"),
+        help="drop tokens whose trainer/engine probability ratio leaves [LOW, HIGH] (--mismatch mask)")
+    # optimization
+    add("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
+    add("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
+    add("--device-batch-tokens", type=int, help="padded positions (sequences x longest) per forward/backward; at "
+        "least the longest prompt + --max-tokens (tiny 8,192: the old 64 sequences of <= 128 tokens; full 16,384: "
+        "16 sequences of a ~500-token prompt and a 512-token answer)")
+    add("--lr-frac", type=float, help="learning rates as a fraction of pretraining's (Muon + AdamW)")
+    add("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
+    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    # evaluation and saving
+    add("--eval-every", type=int, help="held-out evaluation every N steps (and at the start and the end)")
+    add("--eval-problems", type=int, help="held-out problems evaluated")
+    add("--eval-samples", type=int, help="samples per held-out problem: pass@1 and pass@N")
+    add("--eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
+    add("--save-every", type=int, help="checkpoint every N steps, for --resume")
+    add("--dry-run", action="store_true",
+        help="build the model, optimizers and data, print the plan (rl.py: its budget) and stop")
+
+
+def finish_args(parser, args):
+    """Fill the preset's and the loss kind's defaults, then refuse the combinations that cannot run."""
+    args.fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    filled = {key: value for key, value in LOSS_DEFAULTS[args.loss].items() if getattr(args, key) is None}
+    for key, value in filled.items():
+        setattr(args, key, value)
+    if filled:
+        print0(f"loss {args.loss}: paper defaults " + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                                                                 for k, v in filled.items()))
+    if args.loss == "pg" and (args.epochs > 1 or args.minibatches > 1):
+        raise ValueError(f"--loss pg is on-policy REINFORCE (no old log-probs, no clipping), but --epochs "
+                         f"{args.epochs} / --minibatches {args.minibatches} > 1 update on data from older weights; "
+                         "use --loss ppo (or cispo) for several updates per batch")
+    if args.dual_clip is not None and not args.dual_clip > 1:
+        raise ValueError(f"--dual-clip must be > 1 (the loss of a negative-advantage token is capped at -c A), "
+                         f"got {args.dual_clip}")
+    if args.kl_coef is None:
+        args.kl_coef = 0.05 if args.reward == "rm" else 0.0
+    if args.reward == "rm" and args.rm_ckpt is None:
+        parser.error("--reward rm needs --rm-ckpt PATH (a checkpoint written by rm.py)")
+    if args.reward == "rm" and args.overlong_buffer:
+        parser.error("--overlong-buffer shapes verifier rewards; it does not apply to --reward rm")
+    if args.reward == "judge" and args.judge_url is None:
+        parser.error("--reward judge needs --judge-url URL and --judge-rubric FILE (judge.py)")
+    if args.reward == "judge" and args.async_rollouts:
+        parser.error("--reward judge with --async is not supported: the rollout process would need its own judge "
+                     "client; drop --async")
+    parse_task_mixture(args.task)  # a bad --task fails before any model is loaded
+    if args.async_rollouts and args.ptgs:
+        raise ValueError("--async with --ptgs is not supported: the controller would draw in the worker from a "
+                         "posterior the learner updates; use one or the other")
+    return args
+
+
+def load_reward_model(args, tokenizer, device):
+    """--reward rm: the frozen reward model of rm.py that scores the rollouts, or None."""
+    if args.reward != "rm":
+        return None
+    reward_model, rm_tokenizer, rm_meta = load_model(args.rm_ckpt, device)
+    if not rm_meta.get("reward_model") or rm_tokenizer.encode("a test 123") != tokenizer.encode("a test 123") \
+            or rm_tokenizer.vocab_size != tokenizer.vocab_size:
+        raise ValueError(f"--rm-ckpt {args.rm_ckpt} is not a reward model of this policy's tokenizer; "
+                         "train one with rm.py from the same SFT checkpoint")
+    return reward_model.requires_grad_(False)
+
+
+def prepare_prompts(args, world_size):
+    """
+    The training prompts and the held-out problems of --task: (train_task, test_task, eval_indices, decontaminated
+    {source: prompts dropped}). With --decontaminate, training prompts that overlap the preset's evaluation sets or
+    the held-out problems evaluated here are dropped. The difficulty filter is a second step (difficulty_prompts):
+    it samples with the model, so a --dry-run skips it.
+    """
+    sources = parse_task_mixture(args.task)
+    train_task = PromptMixture([(name, task_by_name(name, "train", args.train_size), w) for name, w in sources])
+    judge = judge_from_args(args, args.reward == "judge", "use it with --reward judge")
+    if judge:  # the judge scores the training rollouts; the held-out problems keep their verifier
+        train_task.tasks = {name: JudgedTask(task, judge, graded=True) for name, task in train_task.tasks.items()}
+    test_task = PromptMixture([(name, task_by_name(name, "test", args.eval_problems), w) for name, w in sources])
+    eval_indices = list(range(min(args.eval_problems, len(test_task))))
+    decontaminated = {}
+    if args.decontaminate:
+        held_out = [text for i in range(len(test_task)) for text in row_texts(test_task[i])[:1]]
+        train_task, decontaminated = decontaminate_prompts(train_task, decontamination_index(args.preset, held_out))
+        print0(f"decontamination: dropped training prompts per source {decontaminated}")
+    if len(sources) > 1:
+        print0(f"mixture: training prompts per source {train_task.counts()}")
+    print0(f"task {args.task}: {len(train_task):,} training prompts, {len(eval_indices)} held-out problems; "
+           f"{args.prompts_per_step} prompts x {args.group_size} samples per step "
+           f"({args.prompts_per_step // world_size} prompts per rank)")
+    return train_task, test_task, eval_indices, decontaminated
+
+
+def difficulty_prompts(args, engine, train_task, ckpt, resume, sampling):
+    """--difficulty-filter: the training prompts the start checkpoint neither always nor never solves (cached)."""
+    if not args.difficulty_filter:
+        return train_task
+    key = mix_seed(args.task, args.train_size, args.decontaminate, args.difficulty_samples, args.max_tokens,
+                   sorted(sampling.items()), args.seed)
+    cache = resolve_checkpoint(ckpt) / f"difficulty_{key:016x}.json"
+    if resume and not cache.exists():
+        raise ValueError(f"--difficulty-filter on resume needs the start checkpoint's counts {cache}; rerun from "
+                         "the start checkpoint without --resume")
+    with autocast_ctx(next(engine.model.parameters()).device):
+        kept, _ = difficulty_filter(engine, train_task, args.difficulty_samples, *args.difficulty_filter,
+                                    args.max_tokens, sampling, mix_seed(args.seed, "difficulty"), cache)
+    if len(kept) < args.prompts_per_step:
+        raise ValueError(f"the difficulty filter kept {len(kept)} prompts, fewer than --prompts-per-step "
+                         f"{args.prompts_per_step}; widen (LOW, HIGH) or add prompts")
+    return kept
+
+
+class Rollouts:
+    """
+    Each step's scored groups (next_groups), synchronous or from the overlapped RolloutWorker (--async), with
+    PTGS temperatures (--ptgs), the reward model's scores (--reward rm) and the per-source accounting.
+    worker_ckpt: the checkpoint the worker process loads its tokenizer and model from (weights come per job).
+    adv: (scale, baseline) of the group advantages the per-source loss mass is counted with.
+    """
+
+    def __init__(self, args, engine, task, worker_ckpt, start_step, reward_model=None, adv=("std", "mean"),
+                 ptgs_state=None):
+        _, rank, _, world_size = get_dist_info()
+        self.args, self.engine, self.task, self.reward_model, self.adv = args, engine, task, reward_model, adv
+        self.device = next(engine.model.parameters()).device
+        self.pad_id = engine.tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
+        self.ptgs = None
+        if args.ptgs:  # each rank keeps its own controller (its prompts differ)
+            self.ptgs = TemperatureController(args.ptgs_target, args.ptgs_tau, args.temperature, args.ptgs_gamma,
+                                              args.ptgs_prior, seed=mix_seed(args.seed, "ptgs", rank))
+            if ptgs_state is not None:
+                self.ptgs.load_state_dict(ptgs_state)
+        self.sample_kwargs = dict(
+            num_groups=args.prompts_per_step // world_size, group_size=args.group_size, max_tokens=args.max_tokens,
+            sampling=dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+            filter_zero_contrast=args.filter_zero_contrast and reward_model is None,
+            max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer, rank=rank,
+            world_size=world_size, oversample=args.oversample)
+        self.worker = None
+        if args.async_rollouts:
+            self.worker = RolloutWorker(worker_ckpt, self.device, task, self.sample_kwargs)
+            self.worker.submit(start_step, start_step, engine.model, mix_seed(args.seed, start_step))
+
+    def next_groups(self, step):
+        """
+        (groups, tally, info) of this rank for `step`: the kept groups (sample_groups' layout; under --reward rm their
+        rewards are the reward model's normalised scores), the rollout's counts to reduce over ranks (sample_groups'
+        stats, per-source counters, rm_score_sum) and, under --async, {"rollout_s", "ages"}.
+        """
+        args = self.args
+        by_source, kept_sources = source_tally(self.task.tasks), []
+
+        def on_group(conversation, rewards, errors, kept):
+            name = conversation["source"]
+            by_source[f"source/{name}/groups_dispatched"] += 1
+            by_source[f"source/{name}/groups_kept"] += kept
+            if kept:
+                kept_sources.append(name)
+            if self.ptgs is not None:  # every scored group, before zero-contrast groups are dropped
+                valid = [r for r, error in zip(rewards, errors) if not error]
+                self.ptgs.update(conversation["task_id"], sum(r > 0 for r in valid), sum(r <= 0 for r in valid))
+
+        info = {}
+        if self.worker is None:
+            temperature_of = (lambda c: round(self.ptgs.draw(c["task_id"]), 2)) if self.ptgs else None
+            with autocast_ctx(self.device):
+                groups, rollout = sample_groups(self.engine, self.task, seed=mix_seed(args.seed, step),
+                                                **self.sample_kwargs, on_group=on_group, temperature_of=temperature_of)
+        else:  # the batch the worker sampled with older weights; then, with delay 1, ask for the next one at once
+            _, version, groups, rollout, records, info["rollout_s"] = self.worker.result()
+            for source, kept in records:
+                on_group({"source": source}, [], [], kept)
+            info["ages"] = [step - group["version"] for group in groups] or [step - version]
+            if args.async_delay == 1 and step + 1 < args.num_steps:
+                self.worker.submit(step + 1, step, self.engine.model, mix_seed(args.seed, step + 1))
+        rm_score_sum = 0.0
+        if self.reward_model is not None:  # --reward rm: the reward model's normalised scores replace the verifier's
+            raw = reward_model_scores(self.reward_model, groups, self.pad_id, self.device,
+                                      args.device_batch_tokens)  # (N,)
+            rm_score_sum = float(raw.sum())
+            normalized = normalize_scores(raw).tolist()
+            for g, group in enumerate(groups):
+                group["rewards"] = normalized[g * args.group_size:(g + 1) * args.group_size]
+        account_kept_groups(by_source, groups, kept_sources, args.group_size, *self.adv, args.mask_truncated)
+        return groups, {**rollout, **by_source, "rm_score_sum": rm_score_sum}, info
+
+    def after_update(self, step):
+        """--async --async-delay 0: ask for step + 1's groups with the weights this step's update produced."""
+        if self.worker is not None and self.args.async_delay == 0 and step + 1 < self.args.num_steps:
+            self.worker.submit(step + 1, step + 1, self.engine.model, mix_seed(self.args.seed, step + 1))
+
+    def close(self):
+        if self.worker is not None:
+            self.worker.close()
+
+
+def learner_batches(groups, args, pad_id, device, adv=None):
+    """
+    Step 3 of both loops: the groups split into --minibatches (by group), each as micro-batches of at most
+    --device-batch-tokens padded positions (sorted by length: less padding, same loss). adv (scale, baseline): rows
+    carry group advantages; None: their raw rewards (ppo.py turns them into per-token rewards). PTGS rows carry
+    their group's temperature. Returns (minibatches, [real, padded] positions).
+    """
+    minibatches, positions = [], [0, 0]
+    for m in range(args.minibatches):
+        part = groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches]
+        scale, baseline = adv or (None, None)
+        rows = learner_rows(part, args.group_size, scale, baseline, args.mask_truncated, raw_rewards=adv is None)
+        if args.ptgs:  # each row carries its group's temperature (collate_rollouts)
+            rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in part for _ in g["completions"]))]
+        batches, _ = token_budget_batches([[len(row[0]) - 1] for row in rows], args.device_batch_tokens)
+        minibatches.append([collate_rollouts([rows[i] for i in batch], pad_id, device) for batch in batches])
+        positions[0] += sum(len(row[0]) - 1 for row in rows)
+        positions[1] += sum(int(micro["inputs"].numel()) for micro in minibatches[-1])
+    return minibatches, positions
+
+
+def learner_tally(rollout_tally, groups, positions):
+    """A step's counters, the same keys on every rank (reduce_tally): the rollout's, then the learner's, zeroed."""
+    return {**rollout_tally, "groups_kept": len(groups), "trained_tokens": 0, "entropy_sum": 0.0, "gap_sum": 0.0,
+            "gap_max": 0.0, "corrected": 0.0, "loss_sum": 0.0, "kl_sum": 0.0, "loss_tokens": 0, "clip_low_sum": 0.0,
+            "clip_high_sum": 0.0, "ratio_sum": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf,
+            "positions_real": positions[0], "positions_padded": positions[1], "value_loss_sum": 0.0,
+            "value_clip_sum": 0.0}
+
+
+def score_old(micro, old_logp, entropy, tally, args):
+    """
+    A micro-batch's old log-probs (the weights that sampled it, as the learner scores them), its mismatch weights
+    against the engine's behavior log-probs, and the gap and entropy it adds to the tally.
+    """
+    micro["old_logp"], mask = old_logp, micro["mask"]
+    micro["weights"] = mismatch_weights(old_logp, micro["behavior"], args.mismatch, args.tis_cap, args.mask_window)
+    gap = (old_logp - micro["behavior"]).abs() * mask
+    tally["gap_sum"] += float(gap.sum())
+    tally["gap_max"] = max(tally["gap_max"], float(gap.max()))
+    tally["entropy_sum"] += float((entropy * mask).sum())
+    tally["trained_tokens"] += int(mask.sum())
+    tally["corrected"] += float(((micro["weights"] != 1) * mask).sum())
+
+
+def row_sampling(sampling, micro):
+    """The distribution a micro-batch's rows are scored under: PTGS rows at the temperature their group sampled at."""
+    return {**sampling, "temperature": micro["temperature"]} if "temperature" in micro else sampling
+
+
+def batch_counts(minibatches, loss_agg, device):
+    """
+    Per minibatch, the global count the loss is averaged over (valid tokens for token-mean, else sequences) and the
+    global valid-token count, summed over ranks: ([count], [tokens]).
+    """
+    per_minibatch = torch.tensor([[sum(float(m["mask"].sum()) for m in mb),
+                                   sum(float((m["mask"].sum(-1) > 0).sum()) for m in mb)] for mb in minibatches],
+                                 dtype=torch.float64, device=device)  # (minibatches, 2): tokens, sequences
+    if dist.is_initialized():
+        dist.all_reduce(per_minibatch)
+    return per_minibatch[:, 0 if loss_agg == "token-mean" else 1].tolist(), per_minibatch[:, 0].tolist()
+
+
+def add_loss_stats(tally, loss, stats, num_tokens):
+    """A micro-batch's policy loss and clip/ratio statistics, into the step's tally."""
+    tally["loss_sum"] += loss.item()  # summed over micro-batches and ranks: the minibatch losses
+    tally["loss_tokens"] += num_tokens
+    tally["clip_low_sum"] += stats["clip_low"] * num_tokens
+    tally["clip_high_sum"] += stats["clip_high"] * num_tokens
+    tally["ratio_sum"] += stats["ratio_mean"] * num_tokens
+    tally["ratio_min"] = min(tally["ratio_min"], stats["ratio_min"])
+    tally["ratio_max"] = max(tally["ratio_max"], stats["ratio_max"])
+
+
+def evaluate_held_out(engine, test_task, eval_indices, args, step, reward_model=None):
+    """
+    Held-out pass@1 / pass@k of the policy (eval.evaluate_generative) and, with a reward model, its mean score of
+    one sample per problem: the optimised reward's view next to the verifier's, so over-optimisation shows.
+    """
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    result = evaluate_generative(engine, test_task, eval_indices, num_samples=args.eval_samples,
+                                 ks=(1, args.eval_samples), max_tokens=args.max_tokens,
+                                 temperature=args.eval_temperature, top_k=args.top_k, top_p=args.top_p,
+                                 seed=mix_seed(args.seed, "eval"))
+    k = f"pass@{args.eval_samples}"
+    record = {"step": step, "pass@1": result["pass@1"], k: result[k], "errors": result["errors"],
+              "truncated": result["truncated"]}
+    if reward_model is not None:
+        device = next(engine.model.parameters()).device
+        with autocast_ctx(device):
+            groups, _ = sample_groups(engine, test_task, len(eval_indices), 1, args.max_tokens, sampling,
+                                      seed=mix_seed(args.seed, "eval-rm"), filter_zero_contrast=False, max_rounds=1)
+        record["rm_score"] = float(reward_model_scores(reward_model, groups, engine.tokenizer.token_id(
+            "<|assistant_end|>"), device, args.device_batch_tokens).mean())
+    print0(f"eval step {step}: pass@1 {record['pass@1']:.4f}, {k} {record[k]:.4f}"
+           + (f", reward-model score {record['rm_score']:+.3f}" if "rm_score" in record else ""))
+    return record
+
+
+def step_metrics(tally, optimizer_steps, grad_norms, seconds, info, sources, source_totals):
+    """
+    The logged metrics of a step from its reduced tally: rollout outcomes of every sampled group (filtered ones
+    included), learner statistics, timings (seconds: rollout, learner), per-source accounting (also added to
+    source_totals, the run's sums for the report).
+    """
+    world_size = get_dist_info()[3]
+    n, tokens = max(tally["completions"], 1), max(tally["trained_tokens"], 1)
+    loss_tokens = max(tally["loss_tokens"], 1)
+    reward_mean = tally["reward_sum"] / n
+    rollout_s, learner_s = seconds
+    metrics = {"reward/mean": reward_mean,
+               "reward/std": math.sqrt(max(tally["reward_sq_sum"] / n - reward_mean ** 2, 0.0)),
+               "reward/accuracy": tally["correct"] / n,
+               "reward/errors": tally["errors"],
+               "batch/zero_contrast_frac": tally["zero_contrast"] / max(tally["groups"], 1),
+               "batch/groups_kept": tally["groups_kept"], "batch/sampling_rounds": tally["rounds"] / world_size,
+               "batch/padding_frac": 1 - tally["positions_real"] / max(tally["positions_padded"], 1),
+               "length/mean": tally["length_sum"] / n, "length/max": tally["length_max"],
+               "length/truncated_frac": tally["truncated"] / n,
+               "policy/entropy": tally["entropy_sum"] / tokens,
+               "policy/loss": tally["loss_sum"] / max(optimizer_steps, 1),
+               "policy/clip_low": tally["clip_low_sum"] / loss_tokens,
+               "policy/clip_high": tally["clip_high_sum"] / loss_tokens,
+               "mismatch/logp_gap_mean": tally["gap_sum"] / tokens, "mismatch/logp_gap_max": tally["gap_max"],
+               "mismatch/corrected_frac": tally["corrected"] / tokens,
+               "optim/steps": optimizer_steps, "time/rollout_s": rollout_s, "time/learner_s": learner_s,
+               "time/rollout_tokens_per_s": tally["length_sum"] / max(rollout_s, 1e-9)}
+    if "rollout_s" in info:  # --async: rollout is the worker's generation time; idle the learner waiting for it
+        metrics.update({"time/rollout_s": info["rollout_s"], "time/idle_s": rollout_s,
+                        "time/rollout_tokens_per_s": tally["length_sum"] / max(info["rollout_s"], 1e-9),
+                        "policy/age_mean": sum(info["ages"]) / len(info["ages"]), "policy/age_max": max(info["ages"])})
+    if tally["loss_tokens"]:
+        metrics.update({"policy/ratio_mean": tally["ratio_sum"] / loss_tokens,
+                        "policy/ratio_min": tally["ratio_min"], "policy/ratio_max": tally["ratio_max"]})
+    if grad_norms:
+        metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    mass = sum(tally[f"source/{name}/loss_mass"] for name in sources)
+    for name in sources:  # per-source accounting: a fast or easy source cannot take over unseen
+        for field in SOURCE_FIELDS:
+            source_totals[f"{name}/{field}"] += tally[f"source/{name}/{field}"]
+            metrics[f"source/{name}/{field}"] = tally[f"source/{name}/{field}"]
+        metrics[f"source/{name}/loss_share"] = tally[f"source/{name}/loss_mass"] / max(mass, 1e-12)
+    if len(sources) > 1:
+        print0("  sources: " + " | ".join(
+            f"{name} dispatched {metrics[f'source/{name}/groups_dispatched']:.0f} kept "
+            f"{metrics[f'source/{name}/groups_kept']:.0f} tokens {metrics[f'source/{name}/valid_tokens']:.0f} "
+            f"loss share {metrics[f'source/{name}/loss_share']:.2f}" for name in sources))
+    return metrics
+
+
+def print_step(step, num_steps, metrics, extra_line, seconds, eta):
+    """The step's progress line (rank 0)."""
+    idle = f"idle {seconds[0]:.1f}s age {metrics['policy/age_max']:.0f} " if "policy/age_max" in metrics else ""
+    print0(f"step {step + 1}/{num_steps} | reward {metrics['reward/mean']:.3f} {extra_line}"
+           f"| zero-contrast {metrics['batch/zero_contrast_frac']:.2f} kept {metrics['batch/groups_kept']:.0f} "
+           f"| len {metrics['length/mean']:.1f} trunc {metrics['length/truncated_frac']:.2f} "
+           f"pad {metrics['batch/padding_frac']:.0%} "
+           f"| loss {metrics['policy/loss']:+.4f} "
+           f"clip {metrics['policy/clip_low']:.3f}/{metrics['policy/clip_high']:.3f} "
+           f"| entropy {metrics['policy/entropy']:.3f} | gap {metrics['mismatch/logp_gap_mean']:.1e} "
+           f"| rollout {metrics['time/rollout_s']:.1f}s {metrics['time/rollout_tokens_per_s']:.0f} tok/s, "
+           f"learn {seconds[1]:.1f}s " + idle + f"| ETA {format_eta(eta)}")
+
+
+def report_record(stage, args, history, eval_count, seconds, source_totals, decontaminated, train_prompts):
+    """The stage's row of the report card (common.append_report): held-out results before and after, the run's
+    per-source sums; with a reward model (history carries rm_score) its score before and after."""
+    before, after = history[0], history[-1]
+    k = f"pass@{args.eval_samples}"
+    print0(f"held-out pass@1 {before['pass@1']:.4f} -> {after['pass@1']:.4f}, {k} {before[k]:.4f} -> {after[k]:.4f}"
+           + (f", reward-model score {before['rm_score']:+.3f} -> {after['rm_score']:+.3f}"
+              if "rm_score" in after else ""))
+    extra = {}
+    if "rm_score" in after:
+        extra = {"reward": "rm", "rm_score_before": before["rm_score"], "rm_score": after["rm_score"],
+                 "kl_coef": args.kl_coef}
+    return {"stage": stage, **extra, "preset": args.preset, "task": args.task, "steps": args.num_steps,
+            "seed": args.seed, "pass@1_before": before["pass@1"], "pass@1": after["pass@1"], f"{k}_before": before[k],
+            k: after[k], "eval_problems": eval_count, "truncated": after.get("truncated"),
+            "verifier_errors": after["errors"], "eval_samples": args.eval_samples, "seconds": seconds,
+            "sources": dict(source_totals), "decontaminated": decontaminated, "ptgs": args.ptgs,
+            "train_prompts": train_prompts}
