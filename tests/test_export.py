@@ -8,9 +8,9 @@ hold is refused in one line. Everything local: the models are built in-process.
 
 import json
 import random
-from dataclasses import make_dataclass
 import subprocess
 import sys
+from dataclasses import make_dataclass
 from pathlib import Path
 
 import pytest
