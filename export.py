@@ -66,20 +66,21 @@ EOS_NAMES = ("<|assistant_end|>", "<|bos|>")  # engine.Engine's stop tokens (its
 # Weights
 
 
+BLOCK_NAMES = {  # a block's linear layers: model.py's (module, layer) -> NanoChatDecoderLayer's name
+    ("attn", "c_q"): "self_attn.q_proj", ("attn", "c_k"): "self_attn.k_proj", ("attn", "c_v"): "self_attn.v_proj",
+    ("attn", "c_proj"): "self_attn.o_proj", ("mlp", "c_fc"): "mlp.fc1", ("mlp", "c_proj"): "mlp.fc2",
+}
+
+
 def hf_key(key):
     """The NanoChatForCausalLM name of a GPT state-dict key, or None when that model has no such parameter."""
-    parts = key.split(".")
     if key == "wte.weight":
         return "model.embed_tokens.weight"
     if key == "lm_head.weight":
         return key
-    if len(parts) == 5 and parts[0] == "blocks" and parts[4] == "weight":
-        names = {("attn", "c_q"): "self_attn.q_proj", ("attn", "c_k"): "self_attn.k_proj",
-                 ("attn", "c_v"): "self_attn.v_proj", ("attn", "c_proj"): "self_attn.o_proj",
-                 ("mlp", "c_fc"): "mlp.fc1", ("mlp", "c_proj"): "mlp.fc2"}
-        name = names.get((parts[2], parts[3]))
-        if name is not None:
-            return f"model.layers.{parts[1]}.{name}.weight"
+    parts = key.split(".")  # blocks.{i}.{module}.{layer}.weight
+    if len(parts) == 5 and parts[0] == "blocks" and parts[4] == "weight" and (parts[2], parts[3]) in BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{BLOCK_NAMES[parts[2], parts[3]]}.weight"
     return None
 
 
@@ -185,6 +186,7 @@ CHAR_BYTES = {char: b for b, char in BYTE_CHARS.items()}
 
 
 def as_chars(token):
+    """A token's bytes as tokenizer.json writes them: one BYTE_CHARS character per byte."""
     return "".join(BYTE_CHARS[b] for b in token)
 
 
@@ -281,7 +283,7 @@ def hf_tokenizer(tokenizer):
     return hf
 
 
-def tokenizer_config(tokenizer, sequence_len):
+def tokenizer_config(sequence_len):
     """tokenizer_config.json: the special tokens' roles, the chat template."""
     return {"tokenizer_class": "TokenizersBackend", "backend": "tokenizers", "bos_token": "<|bos|>",
             "eos_token": "<|assistant_end|>", "pad_token": "<|assistant_end|>", "model_max_length": sequence_len,
@@ -294,7 +296,7 @@ def save_tokenizer(tokenizer, out, sequence_len):
     hf = hf_tokenizer(tokenizer)
     check_tokenizers(tokenizer, hf)
     hf.save(str(Path(out) / "tokenizer.json"))
-    config = tokenizer_config(tokenizer, sequence_len)
+    config = tokenizer_config(sequence_len)
     (Path(out) / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -362,6 +364,7 @@ def probe_difference(gpt, hf_model, vocab_size, seed=0):
 
 
 def check_probe(gpt, hf_model, vocab_size):
+    """The probe's max |logit difference|, or a UserError when it exceeds PROBE_TOLERANCE (nothing is written)."""
     diff = probe_difference(gpt, hf_model, vocab_size)
     if not diff <= PROBE_TOLERANCE:
         raise UserError(f"the converted model's logits differ by {diff:.3g} (> {PROBE_TOLERANCE}) from the original's "
