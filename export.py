@@ -348,7 +348,9 @@ def check_tokenizers(ours, hf):
     for text in PROBE_TEXTS:
         a, b = ours.encode(text), hf.encode(text, add_special_tokens=False).ids
         if a != b:
-            raise UserError(f"the converted tokenizer encodes {text!r} differently: {a[:12]}... vs {b[:12]}...")
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            raise UserError(f"the converted tokenizer encodes {text!r} differently from token {i} on: "
+                            f"{a[i:i + 8]} vs {b[i:i + 8]}")
 
 
 # -----------------------------------------------------------------------------
