@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 # The post-training stages start from them and scale all three by their --lr-frac.
 MATRIX_LR, EMBEDDING_LR, UNEMBEDDING_LR = 0.02, 0.2, 0.004
 LOGIT_SOFTCAP = 15.0  # logits = cap * tanh(z / cap): bounded in (-15, 15), ~identity for small z
+ROTARY_BASE = 10000.0  # RoPE: theta_i = ROTARY_BASE^(-2i / head_dim)
 ROTARY_MARGIN = 10  # rotary tables cover sequence_len * 10 positions: generation may run past the training length
 # Positions per chunk of the chunked lm_head + loss (GPT.chunked_logits): at a 65,536 vocabulary a float32 chunk of
 # logits is 1 GiB, instead of 8.6 GiB for a whole 16 x 2048 micro-batch (and as much again for each saved copy).
@@ -152,7 +153,7 @@ class GPT(nn.Module):
         self.register_buffer("cos", cos, persistent=False)  # (rotary_len, head_dim / 2)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _rotary_tables(self, base=10000.0):
+    def _rotary_tables(self, base=ROTARY_BASE):
         """cos and sin of pos * theta_i with theta_i = base^(-2i / head_dim), for pos < rotary_len."""
         head_dim = self.config.n_embd // self.config.n_head
         device = self.wte.weight.device

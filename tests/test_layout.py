@@ -10,7 +10,7 @@ included):
                      rollout.py (sampling and scoring groups,   imports shared modules and eval; eval never imports it
                      the prompts, the learner's rows)
     stage scripts    pretrain, sft, dpo, rl, ppo, rm, merge,    import shared modules and the libraries, never another
-                     serve                                      stage
+                     serve, export                              stage
     driver           plan.py (speedrun's budget and preset)     imports shared modules, the libraries and the stages
                                                                 whose plan() it adds up; nothing imports it
 
@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = {"common", "model", "tokenizer", "tasks", "engine", "judge"}
-STAGES = {"pretrain", "sft", "dpo", "rl", "ppo", "rm", "merge", "serve"}
+STAGES = {"pretrain", "sft", "dpo", "rl", "ppo", "rm", "merge", "serve", "export"}
 ALLOWED = {  # layer -> the project modules a module of that layer may import
     **{name: SHARED for name in SHARED},
     "report": SHARED,
@@ -124,3 +124,10 @@ def test_a_new_bad_edge_is_caught(source, target, expected):
 def test_a_module_without_a_layer_is_caught():
     graph = {**import_graph(), "helpers": {"common"}}
     assert layering_violations(graph) == ["helpers.py has no layer in tests/test_layout.py"]
+
+
+def test_only_export_imports_the_hugging_face_libraries():
+    # requirements.txt lists them for export.py and its tests: a training stage must run without them.
+    export_only = {"transformers", "safetensors", "tokenizers"}
+    importers = {path.name for path in ROOT.glob("*.py") if project_imports(path, export_only)}
+    assert importers == {"export.py"}
