@@ -13,7 +13,7 @@ import common
 import dpo
 import rollout
 import tasks
-from conftest import ends_turn_sometimes, make_model, make_tokenizer
+from conftest import ends_turn_sometimes, make_model, make_tokenizer, torchrun_stage
 from engine import Engine, load_model
 from eval import completion_text
 from model import GPT
@@ -241,6 +241,29 @@ def test_orpo_main_from_base_runs_no_reference_forward(tokenizer, tmp_path, monk
     assert record["after/loss"] < record["before/loss"] and record["after/rewards/accuracy"] > 0.5
     _, _, meta = load_model(tmp_path / "checkpoints" / "dpo", "cpu")
     assert meta["finished"] and meta["args"]["sft_weight"] == 0.0
+
+
+# -----------------------------------------------------------------------------
+# Under torchrun, 2 ranks, as the README launches them: KTO from SFT (z0 all-reduced), ORPO from base
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss, start", [("kto", "sft"), ("orpo", "base")])
+def test_torchrun_two_ranks_end_with_identical_weights(tokenizer, tmp_path, monkeypatch, loss, start):
+    ckpt = tmp_path / "home" / "checkpoints" / start
+    initial = make_model(tokenizer)
+    common.save_checkpoint(ckpt, 1, initial, {"stage": start}, tokenizer=tokenizer)
+    result, digests = torchrun_stage(tmp_path, "dpo", ["--preset", "tiny", "--loss", loss, "--ckpt", str(ckpt)]
+                                     + DPO_ARGS[2:] + ["--epochs", "1"])
+    assert digests[0] == digests[1]
+    final, _, meta = load_model(tmp_path / "home" / "checkpoints" / "dpo", "cpu")
+    assert meta["finished"] and meta["args"]["loss_type"] == loss
+    assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), initial.state_dict().values()))
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path / "home"))
+    (record,) = common.read_report()
+    # Both ranks' shares, 8 rows a rank per step: KTO's 64 labelled answers, ORPO's 32 pairs.
+    assert (record["train_pairs"], record["steps"]) == ((64, 4) if loss == "kto" else (32, 2))
+    assert f"{record['steps']} steps of 16 pairs (8 per rank" in result.stdout
 
 
 @pytest.mark.parametrize("flags, message", [
