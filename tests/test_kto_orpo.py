@@ -150,6 +150,17 @@ def test_self_generated_answers_are_labelled_by_the_verifier(tokenizer):
         seen.add(tuple(ids))
 
 
+def test_kto_answers_skip_problems_that_overlap_an_evaluation_set(tokenizer):
+    engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
+    task = ParityTask(6)
+    index = tasks.NgramIndex([task[2]["messages"][0]["content"]])  # problem 2 is also an evaluation item
+    examples, counts, _ = rollout.preference_pairs("self-generated", "train", 6, tokenizer, 128, engine=engine,
+                                                   task=task, samples=4, max_new_tokens=6, index=index, unpaired=True)
+    assert counts["contaminated"] == 1 and examples
+    leaked = tokenizer.render_for_completion(task[2])
+    assert all(ids[:len(leaked)] != leaked for (ids, _), _ in examples)
+
+
 DPO_ARGS = ["--device", "cpu", "--pairs", "synthetic", "--train-pairs", "32", "--eval-pairs", "16",
             "--batch-size", "16", "--device-batch-tokens", "2048", "--epochs", "2", "--lr-frac", "0.3",
             "--check-problems", "4", "--check-samples", "1", "--max-new-tokens", "8", "--eval-every", "2",

@@ -95,6 +95,6 @@ def test_torchrun_two_ranks_end_with_identical_weights(tmp_path):
     setup = "import test_rft; sft.task_by_name = lambda name, split, size, seed: test_rft.EvenLengthTask(split, size)"
     result, digests = torchrun_stage(tmp_path, "sft", ["--preset", "tiny"] + RFT_ARGS, setup)
     assert "round 2/2" in result.stdout and digests[0] == digests[1]
-    final, _, meta = common.load_checkpoint(tmp_path / "home" / "checkpoints" / "rft")
+    final, meta, _ = common.load_checkpoint(tmp_path / "home" / "checkpoints" / "rft")
     assert meta["stage"] == "rft" and meta["finished"]
     assert not torch.equal(final["lm_head.weight"], initial.state_dict()["lm_head.weight"])
