@@ -92,7 +92,8 @@ def test_torchrun_two_ranks_end_with_identical_weights(tmp_path):
     ckpt = tmp_path / "home" / "checkpoints" / "sft"
     initial = ends_turn_sometimes(make_model(tokenizer), tokenizer)
     common.save_checkpoint(ckpt, 1, initial, {"stage": "sft"}, tokenizer=tokenizer)
-    setup = "import test_rft; sft.task_by_name = lambda name, split, size, seed: test_rft.EvenLengthTask(split, size)"
+    setup = ("import test_sft_rft\n"
+             "sft.task_by_name = lambda name, split, size, seed: test_sft_rft.EvenLengthTask(split, size)")
     result, digests = torchrun_stage(tmp_path, "sft", ["--preset", "tiny"] + RFT_ARGS, setup)
     assert "round 2/2" in result.stdout and digests[0] == digests[1]
     final, meta, _ = common.load_checkpoint(tmp_path / "home" / "checkpoints" / "rft")
