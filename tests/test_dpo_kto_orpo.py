@@ -255,7 +255,7 @@ def test_orpo_main_from_base_runs_no_reference_forward(tokenizer, tmp_path, monk
 
 
 # -----------------------------------------------------------------------------
-# Under torchrun, 2 ranks, as the README launches them: KTO from SFT (z0 all-reduced), ORPO from base
+# Under torchrun, 2 ranks, as the README launches them: KTO from SFT, ORPO from base
 
 
 @pytest.mark.slow
