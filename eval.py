@@ -61,7 +61,9 @@ from engine import Engine, load_model
 from tasks import (LETTERS, MultipleChoice, canonical_number, collate, completion_reward, extract_final_answer,
                    pretraining_batches, pretraining_texts, task_by_name, token_budget_batches)
 
-STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "merge")  # the checkpoints eval.py evaluates
+# The checkpoints eval.py evaluates: the pipeline's, and those the README's alternatives write (dpo.py --loss orpo /
+# kto --out checkpoints/orpo / kto, sft.py --rft-rounds), so that they share the coverage table.
+STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "merge", "rft", "orpo", "kto")
 GENERATIVE_TASKS = ("synthetic", "gsm8k")
 MC_TASKS = tuple(MultipleChoice.SOURCES)  # arc-easy, arc-challenge, mmlu
 MC_STYLE = {"arc-easy": "continuation", "arc-challenge": "continuation", "mmlu": "letter"}

@@ -27,7 +27,7 @@ import common
 from common import format_eta, print0
 
 # The report card's order of the stages (pretrain.py's record says "pretrain", its checkpoint is "base").
-PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl", "ppo", "rm", "rlhf", "merge")
+PIPELINE = ("tokenizer", "pretrain", "base", "sft", "dpo", "rl", "ppo", "rm", "rlhf", "merge", "rft", "orpo", "kto")
 
 # -----------------------------------------------------------------------------
 # pass@k and coverage

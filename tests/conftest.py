@@ -138,3 +138,45 @@ def rehearsal(tmp_path_factory):
     result.seconds = time.time() - t0
     result.cpu_seconds = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return folder, result
+
+
+# -----------------------------------------------------------------------------
+# A stage script under torchrun, 2 CPU ranks (gloo), as a user launches it
+
+STAGE_DRIVER = """
+import hashlib, os, sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+import common, {module}
+{setup}
+models = []
+real_load_model = {module}.load_model
+{module}.load_model = lambda *a, **k: models.append(real_load_model(*a, **k)) or models[-1]  # keep this rank's model
+common.run_cli({module}.main, preemptible=True)
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in models[0][0].parameters())).hexdigest()
+with open(os.path.join({out!r}, "rank" + os.environ["RANK"]), "w") as f:
+    f.write(digest)
+"""
+
+
+def torchrun_stage(tmp_path, module, argv, setup=""):
+    """
+    Run `module`.py's command line `argv` under `torchrun --standalone --nproc_per_node=2` (2 CPU ranks, gloo),
+    the way a user launches the stage; the driver runs the script's own entry point (common.run_cli(main)) after
+    the Python lines `setup` (a test's stand-in task), and each rank writes a digest of its model's final weights.
+    NANOPOST_HOME is tmp_path / "home". Returns (the CompletedProcess, [rank 0's digest, rank 1's digest]).
+    """
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    driver = tmp_path / f"{module}_driver.py"
+    driver.write_text(STAGE_DRIVER.format(repo=str(repo), tests=str(repo / "tests"), module=module, setup=setup,
+                                          out=str(tmp_path)))
+    env = {**os.environ, "NANOPOST_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver),
+               *argv]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result, [(tmp_path / f"rank{r}").read_text() for r in range(2)]

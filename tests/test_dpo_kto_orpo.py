@@ -15,7 +15,7 @@ import dpo
 import report
 import rollout
 import tasks
-from conftest import ends_turn_sometimes, make_model, make_tokenizer
+from conftest import ends_turn_sometimes, make_model, make_tokenizer, torchrun_stage
 from engine import Engine, load_model
 from eval import completion_text
 from model import GPT
@@ -152,6 +152,17 @@ def test_self_generated_answers_are_labelled_by_the_verifier(tokenizer):
         seen.add(tuple(ids))
 
 
+def test_kto_answers_skip_problems_that_overlap_an_evaluation_set(tokenizer):
+    engine = Engine(ends_turn_sometimes(make_model(tokenizer).eval(), tokenizer), tokenizer)
+    task = ParityTask(6)
+    index = tasks.NgramIndex([task[2]["messages"][0]["content"]])  # problem 2 is also an evaluation item
+    examples, counts, _ = rollout.preference_pairs("self-generated", "train", 6, tokenizer, 128, engine=engine,
+                                                   task=task, samples=4, max_new_tokens=6, index=index, unpaired=True)
+    assert counts["contaminated"] == 1 and examples
+    leaked = tokenizer.render_for_completion(task[2])
+    assert all(ids[:len(leaked)] != leaked for (ids, _), _ in examples)
+
+
 DPO_ARGS = ["--device", "cpu", "--pairs", "synthetic", "--train-pairs", "32", "--eval-pairs", "16",
             "--batch-size", "16", "--device-batch-tokens", "2048", "--epochs", "2", "--lr-frac", "0.3",
             "--check-problems", "4", "--check-samples", "1", "--max-new-tokens", "8", "--eval-every", "2",
@@ -251,6 +262,29 @@ def test_orpo_main_from_base_runs_no_reference_forward(tokenizer, tmp_path, monk
     assert "KTO rewards and reference point" not in titles
     _, _, meta = load_model(tmp_path / "checkpoints" / "dpo", "cpu")
     assert meta["finished"] and meta["args"]["sft_weight"] == 0.0
+
+
+# -----------------------------------------------------------------------------
+# Under torchrun, 2 ranks, as the README launches them: KTO from SFT, ORPO from base
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss, start", [("kto", "sft"), ("orpo", "base")])
+def test_torchrun_two_ranks_end_with_identical_weights(tokenizer, tmp_path, monkeypatch, loss, start):
+    ckpt = tmp_path / "home" / "checkpoints" / start
+    initial = make_model(tokenizer)
+    common.save_checkpoint(ckpt, 1, initial, {"stage": start}, tokenizer=tokenizer)
+    result, digests = torchrun_stage(tmp_path, "dpo", ["--preset", "tiny", "--loss", loss, "--ckpt", str(ckpt)]
+                                     + DPO_ARGS[2:] + ["--epochs", "1"])
+    assert digests[0] == digests[1]
+    final, _, meta = load_model(tmp_path / "home" / "checkpoints" / "dpo", "cpu")
+    assert meta["finished"] and meta["args"]["loss_type"] == loss
+    assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), initial.state_dict().values()))
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path / "home"))
+    (record,) = common.read_report()
+    # Both ranks' shares, 8 rows a rank per step: KTO's 64 labelled answers, ORPO's 32 pairs.
+    assert (record["train_pairs"], record["steps"]) == ((64, 4) if loss == "kto" else (32, 2))
+    assert f"{record['steps']} steps of 16 pairs (8 per rank" in result.stdout
 
 
 @pytest.mark.parametrize("flags, message", [

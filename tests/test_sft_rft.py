@@ -12,7 +12,7 @@ import common
 import report
 import sft
 import tasks
-from conftest import ends_turn_sometimes, make_model, make_tokenizer
+from conftest import ends_turn_sometimes, make_model, make_tokenizer, torchrun_stage
 
 
 def test_rft_keep_takes_verified_answers_at_most_m_per_prompt():
@@ -26,10 +26,16 @@ def test_rft_keep_takes_verified_answers_at_most_m_per_prompt():
 
 
 class EvenLengthTask:
-    """Synthetic problems whose toy verifier accepts an answer of even length (a random model: about half)."""
+    """
+    Synthetic problems whose toy verifier accepts an answer of even length (a random model: about half). leak > 0
+    makes the held-out split's first `leak` problems copies of training problems: what decontamination must drop.
+    """
 
-    def __init__(self, split, size):
+    def __init__(self, split, size, leak=0):
         self.task = tasks.SyntheticTask(split, size=size)
+        if split == "test" and leak:
+            train = tasks.SyntheticTask("train", size=leak)
+            self.task = [train[i] for i in range(leak)] + [self.task[i] for i in range(leak, size)]
 
     def __len__(self):
         return len(self.task)
@@ -71,3 +77,35 @@ def test_rft_rounds_sample_filter_and_train(tmp_path, monkeypatch, capsys):
             "eval/pass@1": [0, 1, 2], "eval/pass@k": [0, 1, 2], "rft/answers_kept": [1, 2], "rft/prompts_kept": [1, 2],
             "train/loss": [1, 2]}
         assert fig.axes[0].get_xlabel().startswith("round")
+
+
+RFT_ARGS = ["--rft-rounds", "2", "--rft-prompts", "24", "--rft-samples", "4", "--rft-keep", "2", "--batch-size", "8",
+            "--device-batch-tokens", "1024", "--max-new-tokens", "8", "--check-problems", "8",
+            "--rft-eval-samples", "4", "--replay-frac", "0"]
+
+
+def test_rft_rounds_never_sample_a_held_out_problem(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    tokenizer = make_tokenizer()
+    common.save_checkpoint(tmp_path / "checkpoints" / "sft", 1, ends_turn_sometimes(make_model(tokenizer), tokenizer),
+                           {"stage": "sft"}, tokenizer=tokenizer)
+    monkeypatch.setattr(sft, "task_by_name", lambda name, split, size, seed: EvenLengthTask(split, size, leak=5))
+    sft.main(["--device", "cpu", "--decontaminate"] + RFT_ARGS)
+    (record,) = common.read_report()
+    for r in record["rounds"]:  # the 5 training problems copied into the held-out split are dropped every round
+        assert r["sampling"]["contaminated"] == 5 and r["prompts_kept"] <= 24 - 5
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_end_with_identical_weights(tmp_path):
+    tokenizer = make_tokenizer()
+    ckpt = tmp_path / "home" / "checkpoints" / "sft"
+    initial = ends_turn_sometimes(make_model(tokenizer), tokenizer)
+    common.save_checkpoint(ckpt, 1, initial, {"stage": "sft"}, tokenizer=tokenizer)
+    setup = ("import test_sft_rft\n"
+             "sft.task_by_name = lambda name, split, size, seed: test_sft_rft.EvenLengthTask(split, size)")
+    result, digests = torchrun_stage(tmp_path, "sft", ["--preset", "tiny"] + RFT_ARGS, setup)
+    assert "round 2/2" in result.stdout and digests[0] == digests[1]
+    final, meta, _ = common.load_checkpoint(tmp_path / "home" / "checkpoints" / "rft")
+    assert meta["stage"] == "rft" and meta["finished"]
+    assert not torch.equal(final["lm_head.weight"], initial.state_dict()["lm_head.weight"])
