@@ -420,13 +420,13 @@ def test_mask_truncated_removes_completions_that_hit_the_budget(model, tokenizer
 def test_dynamic_sampling_never_returns_zero_contrast_groups(model, tokenizer):
     engine = Engine(model, tokenizer)
     sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    groups, stats = rollout.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=1, max_rounds=6)
+    groups, stats = rollout.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=0, max_rounds=6)
     assert len(groups) == 6
     assert all(len(set(g["rewards"])) > 1 for g in groups)
     assert stats["zero_contrast"] > 0  # some were drawn and dropped, and the logs count them
     assert stats["groups"] == 6 * stats["rounds"] and stats["completions"] == 4 * stats["groups"]
     # without the filter the even-answer groups come through
-    unfiltered, _ = rollout.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=1, filter_zero_contrast=False)
+    unfiltered, _ = rollout.sample_groups(engine, LengthParity(), 6, 4, 8, sampling, seed=0, filter_zero_contrast=False)
     assert any(len(set(g["rewards"])) == 1 for g in unfiltered)
 
 
