@@ -6,6 +6,8 @@ those rounds in the report card.
 
 import importlib.util
 
+import pytest
+
 import torch
 
 import common
