@@ -7,7 +7,6 @@ those rounds in the report card.
 import importlib.util
 
 import pytest
-
 import torch
 
 import common
