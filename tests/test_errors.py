@@ -132,10 +132,12 @@ def test_rl_prompts_not_divisible_by_ranks(sft_checkpoint, tmp_path, monkeypatch
         rl.main(RL_ARGS + ["--ckpt", str(sft_checkpoint), "--out", str(tmp_path / "rl")])
 
 
-def test_rl_overlong_buffer_longer_than_the_budget(sft_checkpoint, tmp_path, monkeypatch):
+def test_rl_overlong_buffer_longer_than_the_budget(sft_checkpoint, tmp_path, monkeypatch, capsys):
+    # Refused with the other numeric flags, before anything is loaded.
     monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: LengthParity(split, size=16))
-    with pytest.raises(ValueError, match=re.escape("the overlong buffer must be in (0, max_tokens=8], got 9")):
+    with pytest.raises(SystemExit):
         rl.main(RL_ARGS + ["--ckpt", str(sft_checkpoint), "--out", str(tmp_path / "rl"), "--overlong-buffer", "9"])
+    assert "--overlong-buffer 9 is longer than --max-tokens 8" in capsys.readouterr().err
 
 
 # -----------------------------------------------------------------------------
