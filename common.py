@@ -678,15 +678,17 @@ class Logger:
     def curves(self):
         """
         The series for a report record: each thinned evenly to at most CURVE_POINTS points (thin), values rounded
-        to 5 significant digits; series left with the same steps share one group {"step": [...], name: [...], ...}.
-        Returns the list of groups.
+        to 5 significant digits, a step with no value (NaN: e.g. the entropy of a step that trained on nothing) as
+        null, so that report.jsonl stays strict JSON; series left with the same steps share one group
+        {"step": [...], name: [...], ...}. Returns the list of groups.
         """
         groups = {}
         for name, series in self.series.items():
             keep = thin(len(series["step"]), CURVE_POINTS)
             steps = [series["step"][i] for i in keep]
             group = groups.setdefault(tuple(steps), {"step": steps})
-            group[name] = [float(f"{series['value'][i]:.5g}") for i in keep]
+            values = (series["value"][i] for i in keep)
+            group[name] = [float(f"{v:.5g}") if math.isfinite(v) else None for v in values]
         return list(groups.values())
 
     def finish(self):

@@ -193,10 +193,11 @@ def environment():
 def curves_of(record):
     """
     {series: (steps, values)} of the training curves in a stage's record: the groups common.Logger.curves wrote
-    under "curves", each {"step": [...], series: [...], ...}.
+    under "curves", each {"step": [...], series: [...], ...}; a null value (no value at that step) becomes NaN, a gap
+    in the figure.
     """
-    return {name: (group["step"], values) for group in record.get("curves", []) for name, values in group.items()
-            if name != "step"}
+    return {name: (group["step"], [math.nan if v is None else v for v in values])
+            for group in record.get("curves", []) for name, values in group.items() if name != "step"}
 
 
 def scalars_of(record, prefix=""):

@@ -48,6 +48,17 @@ def test_a_resumed_logger_keeps_the_history_and_replaces_a_step_logged_again():
     assert resumed.curves() == [{"step": [0, 1, 2, 3, 4], "val/loss": [10.0, 9.0, 8.0, 6.5, 6.0]}]
 
 
+def test_a_step_without_a_value_is_null_in_the_record_and_a_gap_in_the_figure():
+    # A step that trained on nothing logs its entropy as NaN: strict JSON has no NaN, and check_report refuses one.
+    logger = Logger("dummy", {})
+    for step, value in enumerate([1.5, float("nan"), 0.5], start=1):
+        logger.log({"policy/entropy": value}, step=step)
+    group, = json.loads(json.dumps(logger.curves(), allow_nan=False))
+    assert group == {"step": [1, 2, 3], "policy/entropy": [1.5, None, 0.5]}
+    steps, values = report.curves_of({"curves": [group]})["policy/entropy"]
+    assert steps == [1, 2, 3] and values[0] == 1.5 and values[1] != values[1] and values[2] == 0.5
+
+
 def test_append_report_puts_the_stage_loggers_curves_into_its_record(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     logger = Logger("dummy", {})
