@@ -33,7 +33,7 @@ def write_groups(path, tokenizer, model):
     prompts = [tokenizer.render_for_completion(task[i]) for i in range(4)]
     results = Engine(model, tokenizer).generate(prompts, num_samples=4, max_tokens=8, seed=0)
     rewards = [[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.5, 1.0]]
-    groups = [{"prompt": p, "rewards": r, "completions": [vars(c) for c in cs]}
+    groups = [{"prompt": p, "source": "synthetic", "rewards": r, "completions": [vars(c) for c in cs]}
               for p, r, cs in zip(prompts, rewards, results)]
     path.write_text(json.dumps(groups))
 
