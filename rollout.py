@@ -844,12 +844,11 @@ class TemperatureController:
         self.counts[task_id] = [self.gamma * s + successes, self.gamma * f + failures]
 
     def state_dict(self):
-        return {"counts": self.counts, "rng": self.rng.getstate()}
+        """The counts only: the RNG is reseeded every step from (seed, step, rank), so a resume redraws the same."""
+        return {"counts": self.counts}
 
     def load_state_dict(self, state):
         self.counts = {k: list(v) for k, v in state["counts"].items()}
-        version, internal, gauss = state["rng"]
-        self.rng.setstate((version, tuple(internal), gauss))
 
 
 SOURCE_FIELDS = ("groups_dispatched", "groups_kept", "valid_tokens", "loss_mass")

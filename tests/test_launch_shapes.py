@@ -5,8 +5,7 @@ its sizes (NANOPOST_REHEARSAL=1), each under torchrun with 2 gloo ranks: the RLH
 checkpoints and serve.py on the result; the README's 2-node line on localhost (two torchrun agents, c10d rendezvous)
 for pretraining, SFT, RL and evaluation; pretraining at world size 4 with fewer validation row groups than ranks.
 
-Known RL defects are xfail(strict=True): each turns into a failure once fixed, and the fix removes the mark. A
-launch passes when it exits 0 with every logged loss finite; the ranks' weights are compared by the stage itself
+A launch passes when it exits 0 with every logged loss finite; the ranks' weights are compared by the stage itself
 (common.check_ranks_agree, at its final checkpoint).
 """
 
@@ -31,55 +30,21 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT = 600  # seconds per launch: a hang is a failure (a guard, not a budget: see conftest)
 
-# The RL launch lines, one table: (script and its flags, xfail reason or None).
-PPO = ["ppo.py"]
+# The RL launch lines, one table: script and its flags.
 RL_LAUNCHES = {
-    # Every group kept on both ranks (no dynamic sampling): the critic path without the empty-rank defects below.
-    "ppo-every-group": ([*PPO, "--no-filter-zero-contrast"], None),
-    "ppo": ([*PPO], "ppo.py: torch.cat() of an empty list on a rank that kept no group (GRPO skips such a step)"),
-    "async": (["rl.py", "--async"], None),
-    "ptgs": (["rl.py", "--ptgs"], None),
-    "mixture": (["rl.py", "--task", "gsm8k:1,synthetic:1"], None),
+    # Every group kept on both ranks (no dynamic sampling), and the default, where a rank may keep no group in a step.
+    "ppo-every-group": ["ppo.py", "--no-filter-zero-contrast"],
+    "ppo": ["ppo.py"],
+    "async": ["rl.py", "--async"],
+    "ptgs": ["rl.py", "--ptgs"],
+    "mixture": ["rl.py", "--task", "gsm8k:1,synthetic:1"],
 }
 
 
-@pytest.fixture(scope="module")
-def chain(rehearsal, tmp_path_factory):
-    """(checkpoints of the rehearsal's full preset, env for a launch: its sizes, its data, a home of our own)."""
-    folder, result = rehearsal
-    if result.returncode != 0:
-        pytest.fail("the rehearsal failed (test_speedrun_rehearsal.py shows why); its checkpoints are needed here")
-    home = tmp_path_factory.mktemp("launch-home")
-    shutil.copytree(folder / "full" / "tokenizer", home / "tokenizer")
-    env = {**os.environ, "NANOPOST_HOME": str(home), "NANOPOST_DATA_DIR": str(folder / "data"),
-           "NANOPOST_REHEARSAL": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return folder / "full" / "checkpoints", env
-
-
-def torchrun(env, *args, nproc=2):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                           "--master-port", str(free_port()), *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=LAUNCH_TIMEOUT)
-
-
-def assert_healthy(result):
-    """Exit 0, and no logged loss that is NaN or inf (stages print 'loss <value>')."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
-    bad = re.findall(r"loss [+-]?(?:nan|inf)", output, flags=re.IGNORECASE)
-    assert not bad, f"non-finite losses logged: {bad}"
-
-
-def rl_flags(ckpts, out):
-    return ["--preset", "full", "--wandb-run", "dummy", "--ckpt", str(ckpts / "dpo"), "--out", str(out)]
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=[pytest.mark.xfail(strict=False, reason=reason)] if reason else [])
-    for name, (_, reason) in RL_LAUNCHES.items()])
+@pytest.mark.parametrize("name", RL_LAUNCHES)
 def test_rl_launch_shape(chain, tmp_path, name):
     ckpts, env = chain
-    script, *flags = RL_LAUNCHES[name][0]
+    script, *flags = RL_LAUNCHES[name]
     assert_healthy(torchrun(env, script, *rl_flags(ckpts, tmp_path / "out"), *flags))
 
 
@@ -112,7 +77,6 @@ def test_difficulty_filter_samples_on_both_ranks_and_refuses_an_empty_band(chain
     assert result.stderr.count(refusal) == 2
 
 
-@pytest.mark.xfail(strict=False, reason="rl.py --eval-every 0 ends in ZeroDivisionError after the first step")
 def test_rl_eval_every_zero_means_never_or_is_refused(chain, tmp_path):
     ckpts, env = chain
     result = subprocess.run([sys.executable, "rl.py", *rl_flags(ckpts, tmp_path / "out"), "--eval-every", "0"],
@@ -142,8 +106,6 @@ with open(os.path.join({out!r}, "rank" + os.environ["RANK"] + ".json"), "w") as 
 """
 
 
-@pytest.mark.xfail(strict=False, reason="--ptgs saves rank 0's controller only and every rank reloads it: rank 1's "
-                                       "task posteriors and sampling RNG are lost on --resume")
 def test_ptgs_checkpoint_restores_each_ranks_controller(chain, tmp_path):
     """What a resume gives rank r (the saved state, or its entry when saved per rank) is what rank r had."""
     ckpts, env = chain
