@@ -41,6 +41,37 @@ RL_LAUNCHES = {
 }
 
 
+@pytest.fixture(scope="module")
+def chain(rehearsal, tmp_path_factory):
+    """(checkpoints of the rehearsal's full preset, env for a launch: its sizes, its data, a home of our own)."""
+    folder, result = rehearsal
+    if result.returncode != 0:
+        pytest.fail("the rehearsal failed (test_speedrun_rehearsal.py shows why); its checkpoints are needed here")
+    home = tmp_path_factory.mktemp("launch-home")
+    shutil.copytree(folder / "full" / "tokenizer", home / "tokenizer")
+    env = {**os.environ, "NANOPOST_HOME": str(home), "NANOPOST_DATA_DIR": str(folder / "data"),
+           "NANOPOST_REHEARSAL": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return folder / "full" / "checkpoints", env
+
+
+def torchrun(env, *args, nproc=2):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                           "--master-port", str(free_port()), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT)
+
+
+def assert_healthy(result):
+    """Exit 0, and no logged loss that is NaN or inf (stages print 'loss <value>')."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    bad = re.findall(r"loss [+-]?(?:nan|inf)", output, flags=re.IGNORECASE)
+    assert not bad, f"non-finite losses logged: {bad}"
+
+
+def rl_flags(ckpts, out):
+    return ["--preset", "full", "--wandb-run", "dummy", "--ckpt", str(ckpts / "dpo"), "--out", str(out)]
+
+
 @pytest.mark.parametrize("name", RL_LAUNCHES)
 def test_rl_launch_shape(chain, tmp_path, name):
     ckpts, env = chain
