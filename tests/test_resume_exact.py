@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common
+import distill
 import dpo
 import rl
 import rollout
@@ -110,3 +111,26 @@ def test_rl_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys):
     run_killed_and_resumed(rl.main, argv + ["--out", str(tmp_path / "b")], tmp_path / "b", 2, monkeypatch, rl)
     assert "resuming at step 1" in capsys.readouterr().out
     assert_same_run(tmp_path / "a", tmp_path / "b")
+
+
+DISTILL_ARGS = ["--preset", "tiny", "--device", "cpu", "--train-size", "64", "--prompts-per-step", "4",
+                "--group-size", "2", "--max-tokens", "8", "--eval-problems", "4", "--eval-samples", "2",
+                "--device-batch-tokens", "512", "--num-steps", "3", "--save-every", "1", "--eval-every", "2"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--full-vocab", "--lora-rank", "2"]], ids=["full-finetune", "lora"])
+def test_distill_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys, flags):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    common.save_checkpoint(tmp_path / "sft", 0, make_model(tokenizer).eval(), {"stage": "sft"}, tokenizer=tokenizer)
+    common.save_checkpoint(tmp_path / "rl", 0, make_model(tokenizer, seed=1).eval(), {"stage": "rl"},
+                           tokenizer=tokenizer)
+    argv = DISTILL_ARGS + flags + ["--ckpt", str(tmp_path / "sft"), "--teacher", str(tmp_path / "rl")]
+    distill.main(argv + ["--out", str(tmp_path / "a")])
+    run_killed_and_resumed(distill.main, argv + ["--out", str(tmp_path / "b")], tmp_path / "b", 2, monkeypatch,
+                           distill)
+    assert "resuming at step 1" in capsys.readouterr().out
+    assert_same_run(tmp_path / "a", tmp_path / "b")
+    if flags:  # the adapters are checkpointed too, and resumed exactly
+        extra_a, extra_b = common.load_checkpoint(tmp_path / "a")[2], common.load_checkpoint(tmp_path / "b")[2]
+        assert extra_a["lora"].keys() == extra_b["lora"].keys()
+        assert all(torch.equal(extra_a["lora"][k], extra_b["lora"][k]) for k in extra_a["lora"])
