@@ -34,7 +34,8 @@ from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_c
                     run_cli, save_checkpoint)
 from engine import Engine, load_model
 from eval import evaluate_generative
-from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora, check_lora_flags
+from model import (EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
+                   check_lora_flags, lora_checkpoint)
 from rollout import (all_reduce_gradients, collate_rollouts, learner_rows, mix_seed, prepare_prompts, reduce_tally,
                      sample_groups, token_logprobs)
 from tasks import token_budget_batches
@@ -229,9 +230,7 @@ def main(argv=None):
                  "tokens_sampled": tokens_sampled, "teacher_eval": teacher_eval}
         meta = {"stage": "distill", "source": str(ckpt), "teacher": str(teacher_ckpt), "args": vars(args),
                 "finished": finished, "eval": history[-1] if history else None}
-        if lora:
-            state["lora"], meta["lora"] = lora.state_dict(), lora.meta()
-        save_checkpoint(out, step, lora.merged(model) if lora else model, meta, tokenizer=tokenizer, extra=state)
+        save_checkpoint(out, step, tokenizer=tokenizer, **lora_checkpoint(model, lora, meta, state))
 
     sampling = dict(temperature=args.temperature, top_k=None, top_p=None)
     t_start = time.time()

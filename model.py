@@ -466,6 +466,18 @@ def check_lora_flags(parser, args):
     args.lora_lr = LORA_LR if args.lora_lr is None else args.lora_lr
 
 
+def lora_checkpoint(model, lora, meta, extra=None):
+    """
+    The model, meta and extra keywords of common.save_checkpoint. Without LoRA as given; with it the merged weights are the
+    checkpoint's model (every script and merge.py load it unchanged) and the adapters (extra["lora"]) and their
+    settings (meta["lora"]) ride along for --resume, which rebuilds the base from --ckpt and loads them back.
+    """
+    if lora is None:
+        return dict(model=model, meta=meta, extra=extra)
+    return dict(model=lora.merged(model), meta={**meta, "lora": lora.meta()},
+                extra={**(extra or {}), "lora": lora.state_dict()})
+
+
 def attach_lora(model, args):
     """LoRA adapters on `model` as --lora-rank/--lora-alpha/--lora-targets say, or None without --lora-rank."""
     if args.lora_rank is None:

@@ -632,7 +632,7 @@ def all_reduce_gradients(model):
     Sum gradients over ranks. Not DistributedDataParallel: dynamic sampling leaves ranks with different numbers
     of micro-batches, and DDP's per-backward all-reduce would have to be paired up across ranks.
     """
-    for p in model.parameters():
+    for p in (p for p in model.parameters() if p.requires_grad):  # a LoRA base is frozen: nothing to sum
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)

@@ -47,7 +47,8 @@ from common import autocast_ctx, compute_cleanup, compute_init, format_eta, prin
 from engine import Engine, load_model
 from eval import PRESETS as EVAL_PRESETS
 from eval import completion_text, evaluate_bpb, evaluate_generative, validation_batches
-from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
+from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
+                   check_lora_flags, lora_checkpoint)
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
                    decontamination_index, extract_final_answer, prepare_rows, pretraining_batches, pretraining_texts,
                    token_budget_batches)
@@ -301,7 +302,9 @@ def main(argv=None):
                              "13-gram of normalised words); default on for full, off for tiny (split by question hash)")
     parser.add_argument("--dry-run", action="store_true", help="build the model, data and optimizers, print the plan "
                         "and stop before the first forward pass")
+    add_lora_flags(parser)
     args = parser.parse_args(argv)
+    check_lora_flags(parser, args)
     fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -317,6 +320,7 @@ def main(argv=None):
         return
 
     model, tokenizer, base_meta = load_model(args.ckpt or common.checkpoint_dir("base"), device)
+    lora = attach_lora(model, args)  # None without --lora-rank
     max_seq_len = args.max_seq_len or model.config.sequence_len
     args.device_batch_tokens = common.batch_tokens_for_device("sft", None if fit_batch else args.device_batch_tokens,
                                                               device, model.config, args.device_batch_tokens,
@@ -364,8 +368,11 @@ def main(argv=None):
     bpb_batches = list(validation_batches(tokenizer, args.preset, bpb_rows, model.config.sequence_len,
                                           EVAL_PRESETS[args.preset]["bpb_tokens"]))
 
-    optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
-                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    optimizers = lora.optimizers(args.lora_lr) if lora else model.setup_optimizers(
+        matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
+        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    if lora:
+        print0(f"{lora.extra_repr()}: {lora.num_trainable():,} trainable parameters, the base frozen")
     if args.dry_run:
         if args.preset in common.HARDWARE:
             common.print_plan(plan(args, model.config))
@@ -377,7 +384,10 @@ def main(argv=None):
     start_step, replay_consumed = 0, 0
     if resume:
         state, _, extra = common.load_checkpoint(resume, device=device)
-        model.load_state_dict(state)
+        if lora:  # the base is --ckpt's, as at the start; the checkpoint's model is the merged export
+            lora.load_state_dict(extra["lora"])
+        else:
+            model.load_state_dict(state)
         for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
         # Replay continues after the tokens rank 0 had read (other ranks' counts differ a little: near enough).
@@ -423,9 +433,9 @@ def main(argv=None):
         logger.log(log, step + 1)
         preempted = common.preempted(device)  # SIGTERM/SIGINT: keep this step's work, see common.py
         if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
-            common.save_checkpoint(out_dir, step + 1, model, {"stage": "sft", "finished": False}, tokenizer=tokenizer,
-                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
-                                          "replay_tokens": replay_consumed})
+            common.save_checkpoint(out_dir, step + 1, tokenizer=tokenizer, **lora_checkpoint(
+                model, lora, {"stage": "sft", "finished": False},
+                {"step": step + 1, "optimizers": [o.state_dict() for o in optimizers], "replay_tokens": replay_consumed}))
         if preempted:
             common.exit_preempted(out_dir)
 
@@ -440,7 +450,7 @@ def main(argv=None):
     if rank == 0:
         meta = {"stage": "sft", "finished": True, "preset": args.preset, "args": vars(args), "metrics": final,
                 "base_step": base_meta.get("step")}
-        path = common.save_checkpoint(out_dir, num_steps, model, meta, tokenizer=tokenizer)
+        path = common.save_checkpoint(out_dir, num_steps, tokenizer=tokenizer, **lora_checkpoint(model, lora, meta))
         print0(f"saved {path}")
     common.append_report({"stage": "sft", "preset": args.preset, "seconds": time.time() - stage_start,
                           "steps": num_steps, "train_loss": train_loss,
