@@ -30,7 +30,8 @@ import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine, load_model
 from eval import evaluate_generative
-from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
+from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
+                   check_lora_flags, lora_checkpoint)
 from rollout import preference_pairs
 from tasks import collate, decontamination_index, task_by_name, token_budget_batches
 
@@ -326,7 +327,12 @@ def main(argv=None):
                              "a shared 13-gram of normalised words); default on for full, off for tiny (split by hash)")
     parser.add_argument("--dry-run", action="store_true", help="build the model, pairs and optimizers, print the plan "
                         "and stop before the reference pass")
+    add_lora_flags(parser)
     args = parser.parse_args(argv)
+    check_lora_flags(parser, args)
+    if args.lora_rank and args.live_reference:
+        parser.error("--live-reference keeps a copy of the SFT model; with --lora-rank the reference is the same "
+                     "model with its adapters off, live already")
     fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
     filled = resolve_loss_defaults(args)
     for key, value in PRESETS[args.preset].items():
@@ -344,6 +350,7 @@ def main(argv=None):
 
     # The SFT model is both the initial policy and the reference.
     model, tokenizer, sft_meta = load_model(args.ckpt or common.checkpoint_dir("sft"), device)
+    lora = attach_lora(model, args)  # None without --lora-rank; then the reference is the model with them off
     max_seq_len = args.max_seq_len or model.config.sequence_len
     args.device_batch_tokens = common.batch_tokens_for_device(
         "dpo", None if fit_batch else args.device_batch_tokens, device, model.config, args.device_batch_tokens,
@@ -376,8 +383,11 @@ def main(argv=None):
            f"{sum(n for n, _ in eval_shares)} held-out pairs; one pass is {tokens:,} tokens, "
            f"~{model.flops_per_token() * tokens:.1e} FLOPs (+1/3 for the reference pass)")
 
-    optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
-                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    optimizers = lora.optimizers(args.lora_lr) if lora else model.setup_optimizers(
+        matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
+        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    if lora:
+        print0(f"{lora.extra_repr()}: {lora.num_trainable():,} trainable parameters, the base frozen")
     if args.dry_run:
         if args.preset in common.HARDWARE:
             common.print_plan(plan(args, model.config))
@@ -386,10 +396,11 @@ def main(argv=None):
         return
 
     reference = copy.deepcopy(model).requires_grad_(False) if args.live_reference else None
-    if reference is None:
+    if reference is None and lora is None:
         train_ref = reference_logps(model, train_pairs, args.device_batch_tokens, pad_id, device)  # (N, 2)
         print0("reference log-probs precomputed; the reference model is not kept")
-    eval_ref = reference_logps(model, eval_pairs, args.device_batch_tokens, pad_id, device)  # (N_eval, 2)
+    with lora.disabled() if lora else nullcontext():
+        eval_ref = reference_logps(model, eval_pairs, args.device_batch_tokens, pad_id, device)  # (N_eval, 2)
     print0(f"data and reference ready in {time.time() - t0:.0f}s")
 
     # The SFT model's scores; its preference margins are all 0 (policy = reference), so its accuracy is 0.
@@ -401,7 +412,10 @@ def main(argv=None):
     start_step = 0
     if resume:
         state, _, extra = common.load_checkpoint(resume, device=device)
-        model.load_state_dict(state)
+        if lora:  # the base is --ckpt's, as at the start; the checkpoint's model is the merged export
+            lora.load_state_dict(extra["lora"])
+        else:
+            model.load_state_dict(state)
         for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
         start_step = extra["step"]
@@ -423,11 +437,12 @@ def main(argv=None):
         for m, batch in enumerate(micro):
             chunk = [positions[i] for i in batch]
             pairs = [train_pairs[p] for p in chunk]
-            if reference is None:
+            if reference is None and lora is None:
                 ref = train_ref[chunk]  # (B, 2)
-            else:
-                with torch.no_grad():
-                    ref = torch.stack(pair_logps(reference, pairs, pad_id, device)[:2], dim=1).float()
+            else:  # live: the frozen copy, or with LoRA the same model with its adapters off (the base exactly)
+                with torch.no_grad(), lora.disabled() if lora else nullcontext():
+                    ref = torch.stack(pair_logps(model if lora else reference, pairs, pad_id, device)[:2],
+                                      dim=1).float()
             # Gradients are all-reduced once, after the last micro-batch of the step.
             sync = policy.no_sync() if ddp and m < len(micro) - 1 else nullcontext()
             with sync:
@@ -453,8 +468,9 @@ def main(argv=None):
         logger.log(log, step + 1)
         preempted = common.preempted(device)  # SIGTERM/SIGINT: keep this step's work, see common.py
         if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
-            common.save_checkpoint(out_dir, step + 1, model, {"stage": "dpo", "finished": False}, tokenizer=tokenizer,
-                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers]})
+            common.save_checkpoint(out_dir, step + 1, tokenizer=tokenizer, **lora_checkpoint(
+                model, lora, {"stage": "dpo", "finished": False},
+                {"step": step + 1, "optimizers": [o.state_dict() for o in optimizers]}))
         if preempted:
             common.exit_preempted(out_dir)
 
@@ -468,7 +484,8 @@ def main(argv=None):
     if rank == 0:
         meta = {"stage": "dpo", "finished": True, "preset": args.preset, "args": vars(args), "metrics": after,
                 "sft_step": sft_meta.get("step")}
-        print0(f"saved {common.save_checkpoint(out_dir, num_steps, model, meta, tokenizer=tokenizer)}")
+        path = common.save_checkpoint(out_dir, num_steps, tokenizer=tokenizer, **lora_checkpoint(model, lora, meta))
+        print0(f"saved {path}")
     common.append_report({"stage": "dpo", "preset": args.preset, "seconds": time.time() - stage_start,
                           "pairs": args.pairs, "loss_type": args.loss_type,
                           "steps": num_steps, "train_pairs": min_pairs * world_size,

@@ -468,8 +468,8 @@ def check_lora_flags(parser, args):
 
 def lora_checkpoint(model, lora, meta, extra=None):
     """
-    The model, meta and extra keywords of common.save_checkpoint. Without LoRA as given; with it the merged weights are the
-    checkpoint's model (every script and merge.py load it unchanged) and the adapters (extra["lora"]) and their
+    The model, meta and extra keywords of common.save_checkpoint. Without LoRA as given; with it the merged weights
+    are the checkpoint's model (every script and merge.py load it unchanged) and the adapters (extra["lora"]) and their
     settings (meta["lora"]) ride along for --resume, which rebuilds the base from --ckpt and loads them back.
     """
     if lora is None:

@@ -435,7 +435,8 @@ def main(argv=None):
         if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
             common.save_checkpoint(out_dir, step + 1, tokenizer=tokenizer, **lora_checkpoint(
                 model, lora, {"stage": "sft", "finished": False},
-                {"step": step + 1, "optimizers": [o.state_dict() for o in optimizers], "replay_tokens": replay_consumed}))
+                {"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
+                 "replay_tokens": replay_consumed}))
         if preempted:
             common.exit_preempted(out_dir)
 

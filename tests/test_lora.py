@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+import dpo
 import sft
 from conftest import make_model, make_tokenizer
 from engine import load_model
@@ -101,3 +102,31 @@ def test_sft_with_lora_saves_a_merged_checkpoint_and_resumes_bit_exactly(tokeniz
     assert moved == {f"blocks.{i}.{t}.weight" for i in range(len(merged.blocks)) for t in LORA_TARGETS}
     _, _, extra = common.load_checkpoint(tmp_path / "a")
     assert set(extra["lora"]) == {f"{ab}.{i}" for ab in "ab" for i in range(len(LORA_TARGETS) * len(merged.blocks))}
+
+
+def test_dpo_with_lora_reference_is_the_base_model(tokenizer, tmp_path, monkeypatch):
+    # Every reference log-prob dpo.py uses with --lora-rank (each training micro-batch, the held-out ones) equals the
+    # SFT model's own, also after the adapters have moved; no reference copy, no pass over the training pairs.
+    from test_resume_exact import DPO_ARGS
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    sft_model = make_model(tokenizer).eval()
+    common.save_checkpoint(tmp_path / "sft", 1, sft_model, {"stage": "sft"}, tokenizer=tokenizer)
+    calls, real = [], dpo.preference_losses
+
+    def recording(policy, pairs, ref, *rest):
+        calls.append((pairs, ref.clone()))
+        return real(policy, pairs, ref, *rest)
+
+    monkeypatch.setattr(dpo, "preference_losses", recording)
+    precomputed, real_reference_logps = [], dpo.reference_logps
+    monkeypatch.setattr(dpo, "reference_logps", lambda model, pairs, *a: precomputed.append(len(pairs))
+                        or real_reference_logps(model, pairs, *a))
+    dpo.main(DPO_ARGS + ["--ckpt", str(tmp_path / "sft"), "--out", str(tmp_path / "dpo"), "--lora-rank", "2",
+                         "--lora-lr", "1e-2", "--save-every", "0"])
+    assert precomputed == [16]  # only the held-out pairs' (the adapters are still 0 then), never the training pairs'
+    assert len(calls) >= 4
+    for pairs, ref in calls:
+        expected = torch.stack(dpo.pair_logps(sft_model, pairs, tokenizer.bos_id, "cpu")[:2], dim=1).float()
+        torch.testing.assert_close(ref, expected, atol=1e-5, rtol=0)
+    _, meta, extra = common.load_checkpoint(tmp_path / "dpo")
+    assert meta["lora"]["rank"] == 2 and any(b.abs().sum() > 0 for k, b in extra["lora"].items() if k[0] == "b")
