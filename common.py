@@ -13,6 +13,7 @@ Run directory ($NANOPOST_HOME, default ~/.cache/nanopost):
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -62,6 +63,9 @@ def compute_init(device=None, seed=0):
     if device_type == "cuda":
         if not torch.cuda.is_available():
             raise UserError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
+        # Before the first allocation, which reads it: RL allocates and frees a KV cache of up to ~20 GB every step,
+        # and expandable segments map that memory again instead of fragmenting the cache. A user's setting is kept.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -73,6 +77,7 @@ def compute_init(device=None, seed=0):
         backend = "nccl" if device_type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device_type == "cuda" else {}
         dist.init_process_group(backend=backend, **kwargs)
+    _checks.update(_FRESH_CHECKS)
     torch.manual_seed(seed)
     return is_ddp, rank, local_rank, world_size, device
 
@@ -185,16 +190,39 @@ def catch_preemption():
         signal.signal(signum, _on_stop_signal)
 
 
+PREEMPTION_CHECK_SECONDS = 10.0  # how often, in training time, the ranks agree on a stop signal (one host sync)
+_FRESH_CHECKS = {"calls": 0, "next": 1, "time": None, "at": 0}
+_checks = dict(_FRESH_CHECKS)  # preempted()'s schedule: the same on every rank; compute_init starts it afresh
+
+
+def preemption_check_interval(seconds_per_call, target=PREEMPTION_CHECK_SECONDS):
+    """Calls of preempted() until the next agreement: about `target` seconds of training, at least every call
+    (and every call while the duration of one is not known yet, seconds_per_call 0)."""
+    return max(1, int(target / seconds_per_call)) if seconds_per_call > 0 else 1
+
+
 def preempted(device):
     """
     Whether a stop signal has arrived, agreed by all ranks: a signal that reached only some of them stops every one
-    at the same step. Call it once per optimizer step on every rank (an all-reduce under DDP).
+    at the same step. Call it once per optimizer step on every rank. Under DDP the ranks agree with an all-reduce and
+    a host sync, so not at every call: about every PREEMPTION_CHECK_SECONDS of training (the 1st and 2nd call, then
+    preemption_check_interval of the slowest rank's seconds per call, all-reduced with the flag so that every rank
+    keeps the same schedule); between agreements it answers False. A signal then stops training within ~10 s plus a
+    step, well inside the grace period before the scheduler's kill (torchrun: TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
     """
     if not dist.is_initialized():
         return _stop_signal is not None
-    flag = torch.tensor([int(_stop_signal is not None)], device=device)
+    _checks["calls"] += 1
+    if _checks["calls"] < _checks["next"]:
+        return False
+    now = time.monotonic()
+    calls = _checks["calls"] - _checks["at"]
+    per_call = (now - _checks["time"]) / calls if _checks["time"] is not None else 0.0
+    flag = torch.tensor([float(_stop_signal is not None), per_call], dtype=torch.float64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    stop, per_call = flag.tolist()
+    _checks.update(time=now, at=_checks["calls"], next=_checks["calls"] + preemption_check_interval(per_call))
+    return bool(stop)
 
 
 def exit_preempted(ckpt_dir):
@@ -588,14 +616,15 @@ ASSUMED_MFU = {"pretrain": 0.40, "post-training": 0.25}
 MEMORY_MARGIN = 0.9
 
 
-def planned_memory(config, micro_batch_tokens, logits_chunk, extra_bytes=0):
-    """Peak bytes per GPU of a training process (model.training_memory) plus what the stage holds besides."""
+def planned_memory(config, micro_batch_tokens, logits_chunk, extra_bytes=0, ddp=True):
+    """Peak bytes per GPU of a training process (model.training_memory; ddp: DistributedDataParallel's gradient
+    buckets too) plus what the stage holds besides."""
     from model import training_memory
 
-    return training_memory(config, micro_batch_tokens, logits_chunk)["total"] + extra_bytes
+    return training_memory(config, micro_batch_tokens, logits_chunk, ddp)["total"] + extra_bytes
 
 
-def fit_batch_tokens(stage, config, gpu_bytes, max_tokens, min_tokens, logits_chunk, extra_bytes=0):
+def fit_batch_tokens(stage, config, gpu_bytes, max_tokens, min_tokens, logits_chunk, extra_bytes=0, ddp=True):
     """
     The largest micro-batch, in tokens, of max_tokens, max_tokens / 2, max_tokens / 4, ... (and min_tokens itself,
     the smallest one that holds a row) whose planned_memory fits MEMORY_MARGIN * gpu_bytes. UserError naming the
@@ -604,9 +633,9 @@ def fit_batch_tokens(stage, config, gpu_bytes, max_tokens, min_tokens, logits_ch
     usable = MEMORY_MARGIN * gpu_bytes
     candidates = [max_tokens >> k for k in range(64) if max_tokens >> k >= min_tokens]
     for tokens in candidates + ([min_tokens] if candidates[-1:] != [min_tokens] else []):
-        if planned_memory(config, tokens, logits_chunk, extra_bytes) <= usable:
+        if planned_memory(config, tokens, logits_chunk, extra_bytes, ddp) <= usable:
             return tokens
-    need = planned_memory(config, min_tokens, logits_chunk, extra_bytes)
+    need = planned_memory(config, min_tokens, logits_chunk, extra_bytes, ddp)
     raise UserError(f"{stage} does not fit this GPU: its smallest micro-batch ({min_tokens:,} tokens) needs "
                     f"{need / GIB:.1f} GiB per GPU (model.training_memory), more than {usable / GIB:.1f} GiB "
                     f"({MEMORY_MARGIN:.0%} of {gpu_bytes / GIB:.1f} GiB); use a smaller preset (--preset small), "
@@ -648,15 +677,138 @@ def kv_cache_bytes(config, rows, positions, dtype_bytes=2):
     return 2 * config.n_layer * rows * positions * config.n_kv_head * head_dim * dtype_bytes
 
 
+def inference_memory(config, kv_rows, kv_positions, logits_rows=0, forward_tokens=0, logits_chunk=0, optimizer=False):
+    """
+    Peak bytes per GPU of a no-grad phase (generation, evaluation): what it keeps at once, bf16 autocast, no gradients
+    (a training stage sets them to None after each step); optimizer=True: a training stage's rollouts, whose
+    optimizer state stays (model.training_memory's term):
+
+      weights      4 P                        fp32 parameters
+      autocast     2 P_blocks + 2 V C         bf16 copies of the matmul weights (model.training_memory)
+      kv cache     kv_cache_bytes(kv_rows, kv_positions)
+      sampling     16 V logits_rows           per decoding row: fp32 logits, scaled by the temperature, their
+                                              log-softmax and its exp (engine.sampling_logprobs), 4 bytes each
+      forward      30 C forward_tokens        a no-grad forward of forward_tokens positions keeps one layer's tensors
+                                              at a time: the fp32 residual 4, its bf16 norm 2, the MLP's c_fc output,
+                                              ReLU and square 8 each (bf16, 4 C wide)
+                   + 14 V logits_chunk        and its lm_head chunk: bf16 output 2, fp32 copy 4, soft-cap 4,
+                                              log-softmax 4
+    """
+    from model import training_memory
+
+    terms = training_memory(config, 0, 0)
+    return (terms["weights"] + terms["autocast"] + kv_cache_bytes(config, kv_rows, kv_positions)
+            + 16 * config.vocab_size * logits_rows + 30 * config.n_embd * forward_tokens
+            + 14 * config.vocab_size * logits_chunk + (terms["optimizer"] if optimizer else 0))
+
+
+# -----------------------------------------------------------------------------
+# RL's sampling rounds and its other models. Under dynamic sampling (rl.sample_groups) a step samples rounds of
+# prompts until it holds enough groups whose completions disagree (contrast); a round costs the same whatever it
+# finds, so rollout time is rounds x one round. The rounds depend on the policy's pass rate, which nothing measures
+# before the run: the plan assumes one per task and preset.
+
+# Starting pass@1 (after SFT and DPO) of the RL task at each GPU preset's depth. GSM8K at depth 20: nanochat's d20
+# chat model scores 4.5% before RL; depth 8 (92M parameters) is not measured anywhere: 2% is a guess.
+ASSUMED_PASS_RATE = {"gsm8k": {"full": 0.05, "small": 0.02}}
+# The spread of the per-prompt pass rates p around that mean: p ~ Beta(mu kappa, (1 - mu) kappa). A weak model
+# solves a few problems often and most never; kappa = 2 gives half of the groups of 16 contrast at 15% pass@1
+# (0.53), where 15% of every completion right, spread evenly over the prompts (kappa -> infinity), would give 0.93.
+PASS_RATE_CONCENTRATION = 2.0
+
+
+def contrast_probability(pass_rate, group_size, concentration=PASS_RATE_CONCENTRATION):
+    """
+    The probability that a group of G = group_size completions of one prompt holds both a right and a wrong answer,
+    when the prompts' pass rates p are Beta(a, b) around the mean mu = pass_rate, a = mu kappa, b = (1 - mu) kappa
+    (kappa = concentration):
+
+        P(contrast) = 1 - E[(1 - p)^G] - E[p^G],   E[(1 - p)^G] = prod_{i<G} (b + i) / (kappa + i),
+                                                    E[p^G]       = prod_{i<G} (a + i) / (kappa + i)
+
+    (the Beta distribution's moments). E.g. mu 1/2 and kappa 2 (p uniform), G 2: 1 - 1/3 - 1/3 = 1/3.
+    """
+    a, b = pass_rate * concentration, (1 - pass_rate) * concentration
+    all_wrong = all_right = 1.0
+    for i in range(group_size):
+        all_wrong *= (b + i) / (concentration + i)
+        all_right *= (a + i) / (concentration + i)
+    return 1 - all_wrong - all_right
+
+
+def expected_sampling_rounds(pass_rate, group_size, groups_needed, oversample, ranks, max_rounds=4,
+                             concentration=PASS_RATE_CONCENTRATION):
+    """
+    Expected sampling rounds of one RL step with dynamic sampling (rl.sample_groups), the slowest rank gating it.
+    Each round a rank samples m = ceil(oversample g) new prompts (g = groups_needed, this rank's share), keeps the
+    groups with contrast, and stops once it holds g of them, or after max_rounds rounds (then short). A group has
+    contrast with q = contrast_probability(pass_rate, group_size, concentration), independently of the others, so
+    after r rounds a rank has kept Binomial(r m, q) groups:
+
+        P(R <= r) = P(Binomial(r m, q) >= g)   for 1 <= r < max_rounds;   P(R <= max_rounds) = 1
+
+    The step waits for its slowest rank (the gradient all-reduce); the ranks sample independently, so
+
+        E[max_k R_k] = sum_{r=0}^{max_rounds-1} P(max_k R_k > r) = sum_r (1 - P(R <= r)^ranks)
+
+    E.g. mu 1/2, kappa 2, G 2 (q = 1/3), g = m = 1, 3 rounds at most: one rank 1 + 2/3 + 4/9 = 19/9; two ranks
+    1 + 8/9 + 56/81 = 209/81.
+    """
+    q = contrast_probability(pass_rate, group_size, concentration)
+    m = math.ceil(oversample * groups_needed)
+
+    def done_within(r):  # P(R <= r) on one rank
+        n = r * m
+        return sum(math.comb(n, j) * q ** j * (1 - q) ** (n - j) for j in range(groups_needed, n + 1))
+
+    return sum(1 - (done_within(r) if r else 0.0) ** ranks for r in range(max_rounds))
+
+
+def rl_models_bytes(config, reference=False, reward_model=False, critic=False):
+    """
+    Bytes per GPU RL holds beside the policy's own, for the models its flags load (a dict of the terms used):
+
+      reference     4 P                   the frozen reference's fp32 weights (--kl-coef > 0)
+      reward_model  4 (P + C + 1)         the reward model's fp32 weights: a trunk with a scalar head (--reward rm)
+      critic        4 (P + C + 1)         PPO's critic (model.ScalarHeadModel, the policy's trunk with its unused
+                    + 4 (P - V C + C + 1) lm_head): fp32 weights, gradients of all but lm_head (summed over ranks
+                    + 8 (V C + C + 1)     in place: no DDP buckets), AdamW's two moments for wte and the head and
+                    + 4 P_blocks          Muon's momentum for the blocks
+                                          (--advantage gae)
+
+    P = 2 V C + P_blocks, the policy's parameters. The critic's activations and autocast copies are left out: its
+    forward and backward run after the policy's backward of the same micro-batch has freed the policy's, and need
+    less (no logits). The scoring passes of the reference and the reward model are no-grad and as short-lived.
+    """
+    from model import training_memory
+
+    terms = training_memory(config, 0, 0)
+    C, V = config.n_embd, config.vocab_size
+    params = terms["weights"] // 4
+    head = C + 1
+    out = {}
+    if reference:
+        out["reference"] = 4 * params
+    if reward_model:
+        out["reward_model"] = 4 * (params + head)
+    if critic:
+        blocks = params - 2 * V * C
+        out["critic"] = 4 * (params + head) + 4 * (params - V * C + head) + 8 * (V * C + head) + 4 * blocks
+    return out
+
+
 def stage_plan(stage, preset, config, micro_batch_tokens, logits_chunk, train_tokens=0, flops_per_token=0.0,
-               mfu=ASSUMED_MFU["post-training"], decode_tokens=0, extra_bytes=0, note=""):
+               mfu=ASSUMED_MFU["post-training"], decode_tokens=0, extra_bytes=0, note="", ddp=True, phase_bytes=0):
     """
     One stage's budget on HARDWARE[preset]: training FLOPs = train_tokens x flops_per_token at `mfu` of every GPU's
-    peak, plus decode_tokens generated at the assumed decode rate, over all the GPUs; peak memory per GPU =
-    planned_memory at the micro-batch. Returns a dict (minutes, peak_gib, fits, ...) for print_plan and plan.py.
+    peak, plus decode_tokens generated at the assumed decode rate, over all the GPUs; peak memory per GPU = the
+    larger of planned_memory at the micro-batch (0 tokens: no learner) and phase_bytes, the peak of a phase that
+    never coexists with the learner (RL's rollouts, eval's generation). Returns a dict (minutes, peak_gib, fits, ...)
+    for print_plan and plan.py.
     """
     hw = HARDWARE[preset]
-    peak = planned_memory(config, micro_batch_tokens, logits_chunk, extra_bytes)
+    learner = planned_memory(config, micro_batch_tokens, logits_chunk, extra_bytes, ddp) if micro_batch_tokens else 0
+    peak = max(learner, phase_bytes)
     plan = dict(stage=stage, preset=preset, hardware=hw["name"], tokens=train_tokens, flops=train_tokens *
                 flops_per_token, mfu=mfu, decode_tokens=decode_tokens, micro_batch_tokens=micro_batch_tokens,
                 peak_gib=peak / GIB, fits=peak <= MEMORY_MARGIN * hw["memory"], note=note)
@@ -678,6 +830,7 @@ def print_plan(plan):
               if plan["decode_tokens"] else "")
     print0(f"plan on {plan['hardware']}: {plan['tokens'] / 1e6:,.1f}M tokens, {plan['flops']:.2e} FLOPs at "
            f"{plan['mfu']:.0%} MFU (assumed){decode} = ~{plan['minutes']:.0f} min | peak "
-           f"{plan['peak_gib']:.1f} GiB per GPU at {plan['micro_batch_tokens']:,}-token micro-batches "
+           f"{plan['peak_gib']:.1f} GiB per GPU"
+           + (f" at {plan['micro_batch_tokens']:,}-token micro-batches" if plan["micro_batch_tokens"] else "") + " "
            f"({'fits' if plan['fits'] else 'DOES NOT FIT'} {MEMORY_MARGIN:.0%} of "
            f"{HARDWARE[plan['preset']]['memory'] / GIB:.1f} GiB)" + (f" | {plan['note']}" if plan["note"] else ""))

@@ -47,10 +47,12 @@ import math
 import random
 import time
 from collections import Counter
+from functools import partial
 from itertools import islice
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import common
 import report
@@ -173,6 +175,8 @@ def continuation_logprobs(model, requests, device, batch_tokens=None):
     Rows are sorted by length and right-padded into micro-batches of at most `batch_tokens` positions (rows x
     longest; default 32 x sequence_len: 32 full-context rows). A row longer than sequence_len + 1 tokens keeps its
     last sequence_len + 1: the context is cut from the left, the continuation is always scored whole.
+    Only the continuations' positions go through lm_head (GPT.chunked_logits): float32 logits of every position of
+    a micro-batch would be 32 x 1,024 x 65,536 x 4 bytes = 8 GiB, for the few tokens that are scored.
     Returns a list of floats, in the order of `requests`.
     """
     keep = model.config.sequence_len + 1
@@ -188,9 +192,13 @@ def continuation_logprobs(model, requests, device, batch_tokens=None):
     batches, _ = token_budget_batches([[len(ids) - 1] for ids, _ in rows], batch_tokens or 32 * (keep - 1))
     for batch in batches:
         x, y = collate([rows[i] for i in batch], pad_id=0)  # (B, L), y = -1 outside the continuations
+        x, y = x.to(device), y.to(device)
+        scored = y != -1  # (B, L): the continuations' positions, the only logits read
         with autocast_ctx(device):
-            losses = model(x.to(device), y.to(device), loss_reduction="none")  # (B, L), 0 where y = -1
-        for i, score in zip(batch, (-losses.float().sum(1)).tolist()):
+            h = model.hidden(x)[scored]  # (n, C)
+            losses, = model.chunked_logits(h[None], partial(F.cross_entropy, reduction="none"), y[scored][None])
+        sums = torch.zeros(len(batch), device=device).index_add_(0, scored.nonzero()[:, 0], losses[0].float())
+        for i, score in zip(batch, (-sums).tolist()):
             scores[i] = score
     return scores
 
@@ -267,7 +275,8 @@ def evaluate_multiple_choice(model, tokenizer, items, style, num_shots=0, batch_
 def evaluate_multiple_choice_chat(model, tokenizer, items, batch_size=32, label=None):
     """
     Chat-model multiple choice by letter: render chat_prompt(item) up to <|assistant_start|>, and answer with the
-    choice whose letter token has the highest log-prob there (only the item's own letters compete).
+    choice whose letter token has the highest log-prob there (only the item's own letters compete). Only that last
+    position goes through lm_head: (B, V) float32 logits, not (B, L, V).
     `label`: print progress lines under that name. Returns {"acc", "count"}, summed over DDP ranks.
     """
     device = next(model.parameters()).device
@@ -283,8 +292,8 @@ def evaluate_multiple_choice_chat(model, tokenizer, items, batch_size=32, label=
         for b, ids in enumerate(prompts):
             x[b, :len(ids)] = torch.tensor(ids)
         with autocast_ctx(device):
-            logits = model(x.to(device))  # (B, L, V)
-        last = logits[torch.arange(len(batch)), torch.tensor([len(ids) - 1 for ids in prompts])]  # (B, V)
+            h = model.hidden(x.to(device))  # (B, L, C)
+            last = model.head(h[torch.arange(len(batch)), torch.tensor([len(ids) - 1 for ids in prompts])])  # (B, V)
         for row, item in zip(last, batch):
             letters = row[letter_ids[:len(item["choices"])]]  # (num_choices,)
             correct += int(letters.argmax()) == item["answer"]

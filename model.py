@@ -9,8 +9,8 @@ Per block (pre-norm residual):  x = x + Attn(norm(x));  x = x + MLP(norm(x))
 - No biases anywhere; token embedding and lm_head are separate matrices; logits are soft-capped: 15 * tanh(z / 15).
 
 Incremental decoding goes through a key/value cache (engine.KVCache) whose rows may hold different numbers of tokens.
-forward() only uses its methods positions / attn_mask / insert / advance and its `filled` count, so this file does
-not import engine.py.
+forward() only uses its methods positions / attn_mask / insert / advance and its `max_len`, so this file does not
+import engine.py, and engine.StaticKVCache (the compiled decode step's) goes through the same forward.
 """
 
 import math
@@ -263,8 +263,9 @@ class GPT(nn.Module):
             positions = torch.arange(T, device=idx.device)[None]  # (1, T)
             attn_mask = None
         else:
-            if kv_cache.filled + T > self.rotary_len:
-                raise ValueError(f"KV cache would reach position {kv_cache.filled + T}, beyond the rotary tables "
+            # A cache never holds more than max_len tokens per row (insert refuses), so every position is below it.
+            if kv_cache.max_len > self.rotary_len:
+                raise ValueError(f"a KV cache of {kv_cache.max_len} tokens per row reaches beyond the rotary tables "
                                  f"({self.rotary_len} = sequence_len * {ROTARY_MARGIN})")
             positions = kv_cache.positions(T)  # (B, T)
             attn_mask = kv_cache.attn_mask(T)  # (B or 1, 1, T, S) or None
@@ -278,8 +279,16 @@ class GPT(nn.Module):
         return norm(x)
 
     def head(self, h):
-        """Soft-capped float32 logits (..., V) of hidden states h (..., C)."""
-        logits = self.lm_head(h).float()
+        """
+        Soft-capped float32 logits (..., V) of hidden states h (..., C): the one head of the engine's sampling
+        distribution and of the learner's log-probs (both reach it through forward or chunked_logits).
+        The lm_head matmul runs outside autocast, in float32: under bf16 autocast its output would be bf16, which puts
+        every logit, and so every log-prob, on a grid of ~0.03-0.06 at logits of 4-8, and the engine's one-token
+        decode and the learner's full forward land on different grid points. On CUDA the float32 matmul runs as TF32
+        (common.py enables it): tensor cores at about half bf16's rate, for this one matmul.
+        """
+        with torch.autocast(h.device.type, enabled=False):
+            logits = F.linear(h.float(), self.lm_head.weight.float())  # (..., V)
         return LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
 
     def chunked_logits(self, h, fn, *per_token, chunk_tokens=None):

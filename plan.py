@@ -26,7 +26,7 @@ import pretrain
 import rl
 import sft
 import tokenizer
-from common import GIB, HARDWARE, MEMORY_MARGIN
+from common import ASSUMED_MFU, GIB, HARDWARE, MEMORY_MARGIN
 from model import LOGITS_CHUNK_TOKENS, GPTConfig
 
 STAGES = ("base", "sft", "dpo", "rl", "eval")
@@ -34,6 +34,9 @@ STAGES = ("base", "sft", "dpo", "rl", "eval")
 # most this long; past it the small preset runs with DDP instead.
 FULL_MAX_MINUTES = 8 * 60
 GSM8K_TEST_PROBLEMS = 1319
+# Pretraining MFU the headline's sensitivity line is given at, around the assumed 40%: this model's fp32 residual
+# stream, fp32 QK-norm and 8-row micro-batches make ~33% plausible; nanochat's depth-24 run works out to ~50%.
+PRETRAIN_MFU_RANGE = (0.33, 0.50)
 
 
 def preset_config(preset):
@@ -46,31 +49,41 @@ def eval_plan(preset, config):
     """
     speedrun.sh's evaluations: greedy GSM8K on the three chat checkpoints and the 8-sample coverage of SFT and RL
     (generation dominates), plus bits per byte of each checkpoint (forward only: 1/3 of a training token's FLOPs);
-    the multiple-choice tasks score one forward per choice and are left out. Memory: no optimizer or gradients are
-    held, so the training formula at an empty micro-batch plus the KV cache is an upper bound.
+    the multiple-choice tasks score one forward per choice and are left out. Memory (common.inference_memory): no
+    gradients or optimizer; the larger of generation (batch_size prompts x 8 samples decoding, their KV cache) and a
+    forward of batch_size full rows (bpb and multiple choice: one layer's tensors at a time, chunked logits).
     """
     values = evaluation.PRESETS[preset]
     problems = min(values["max_problems"] or GSM8K_TEST_PROBLEMS, GSM8K_TEST_PROBLEMS)
     decode = problems * values["max_tokens"] * (3 + 2 * 8)
-    kv = common.kv_cache_bytes(config, values["batch_size"] * 8, rl.PLAN_PROMPT_TOKENS + values["max_tokens"])
+    rows = values["batch_size"] * 8
+    generation = common.inference_memory(config, rows, rl.PLAN_PROMPT_TOKENS + values["max_tokens"], rows)
+    forward = common.inference_memory(config, 0, 0, forward_tokens=values["batch_size"] * config.sequence_len,
+                                      logits_chunk=LOGITS_CHUNK_TOKENS)
     flops = common.model_size(config)[1]
     return common.stage_plan("eval", preset, config, 0, LOGITS_CHUNK_TOKENS, 4 * values["bpb_tokens"] / 3, flops,
-                             decode_tokens=decode, extra_bytes=kv)
+                             decode_tokens=decode, phase_bytes=max(generation, forward))
+
+
+@cache
+def preset_args(preset):
+    """The flags each training stage runs with in the preset (what its plan() reads)."""
+    with contextlib.redirect_stdout(io.StringIO()):  # rl.parse_args prints the loss defaults it fills in
+        rl_args = rl.parse_args(["--preset", preset])
+    return {
+        "base": pretrain.parse_args(["--preset", preset]),
+        "sft": SimpleNamespace(preset=preset, **sft.PRESETS[preset]),
+        "dpo": SimpleNamespace(preset=preset, live_reference=False, **dpo.PRESETS[preset]),
+        "rl": rl_args,
+    }
 
 
 @cache
 def preset_plan(preset):
     """Every stage's plan (common.stage_plan dicts) of a GPU preset, in speedrun order."""
     config = preset_config(preset)
-    with contextlib.redirect_stdout(io.StringIO()):  # rl.parse_args prints the loss defaults it fills in
-        rl_args = rl.parse_args(["--preset", preset])
-    args = {
-        "base": pretrain.parse_args(["--preset", preset]),
-        "sft": SimpleNamespace(preset=preset, **sft.PRESETS[preset]),
-        "dpo": SimpleNamespace(preset=preset, live_reference=False, **dpo.PRESETS[preset]),
-        "rl": rl_args,
-    }
     stages = {"base": pretrain, "sft": sft, "dpo": dpo, "rl": rl}
+    args = preset_args(preset)
     return [stages[name].plan(args[name], config) for name in stages] + [eval_plan(preset, config)]
 
 
@@ -79,12 +92,38 @@ def total_minutes(preset, hardware=None):
     return sum(common.plan_minutes(p, hardware or HARDWARE[preset]) for p in preset_plan(preset))
 
 
+def unknowns(preset):
+    """
+    The two assumptions the total leans on most, and the minutes each moves it by: (text, minutes at the other
+    value) pairs. Pretraining's minutes scale as 1 / MFU; RL's rollout minutes as its sampling rounds per step, so
+    its plan with the contrast filter off (one round) fixes the minutes of a round.
+    """
+    plans = {p["stage"]: p for p in preset_plan(preset)}
+    base, rl_plan, mfu = plans["base"]["minutes"], plans["rl"], ASSUMED_MFU["pretrain"]
+    out = [(f"pretraining MFU {mfu:.0%}", [(f"{m:.0%}", base * (mfu / m - 1)) for m in PRETRAIN_MFU_RANGE])]
+    rounds = rl_plan["sampling_rounds"]
+    if rounds > 1:
+        one = rl.plan(SimpleNamespace(**{**vars(preset_args(preset)["rl"]), "filter_zero_contrast": False}),
+                      preset_config(preset))["minutes"]
+        per_round = (rl_plan["minutes"] - one) / (rounds - 1)
+        args = preset_args(preset)["rl"]
+        cap = args.max_sampling_rounds
+        pass_rate = common.ASSUMED_PASS_RATE[args.task][preset]
+        out.append((f"RL {rounds:.1f} sampling rounds per step ({args.task} pass@1 {pass_rate:.0%} at the start)",
+                    [("1", one - rl_plan["minutes"])]
+                    + ([(f"{cap} (the cap)", (cap - rounds) * per_round)] if cap - rounds >= 0.05 else [])))
+    return out
+
+
 def header_lines(preset):
     """speedrun.sh's budget table for a preset (tests/test_plan.py checks that the script holds these lines)."""
     plans = preset_plan(preset)
     lines = [f"#   {preset} preset on {HARDWARE[preset]['name']}: minutes, peak GiB per GPU"]
     lines += [f"#     {p['stage']:<6} {p['minutes']:5.0f} min  {p['peak_gib']:5.1f} GiB" for p in plans]
     lines.append(f"#     total  {sum(p['minutes'] for p in plans):5.0f} min")
+    for name, others in unknowns(preset):
+        lines.append(f"#     unknown: {name} assumed; at " + ", ".join(f"{value}: {minutes:+.0f} min"
+                                                                     for value, minutes in others))
     return lines
 
 

@@ -48,7 +48,7 @@ PRESETS = {
                   target_param_data_ratio=8.0, num_iterations=None, eval_every=250, eval_tokens=10 * 131072,
                   sample_every=1000, save_every=1000, log_every=10,
                   decontaminate=True),
-    # FineWeb-Edu (sample-10BT, ~10B tokens) on one 8xH100 node (plan(): ~2.6 h of the ~3.7 h speedrun). depth 20:
+    # FineWeb-Edu (sample-10BT, ~10B tokens) on one 8xH100 node (plan(): ~2.6 h of the ~3.9 h speedrun). depth 20:
     # n_embd 1280, 20 heads, 561M parameters with the 65536-token vocabulary, 3.49 GFLOPs/token. 15 tokens per
     # parameter = 8.4B tokens = 16,050 steps of 524,288 tokens = 2.9e19 FLOPs at 40% MFU of 8 x 989 TFLOP/s.
     # (Chinchilla's 20 tokens/param would need 11.2B tokens: more than sample-10BT holds, and 3.4 h.) Rows per
@@ -327,7 +327,9 @@ def main(argv=None):
             logger.log({"val/bpb": val_bpb}, step)
         if master and args.sample_every and step > 0 and (step % args.sample_every == 0 or last_step):
             orig_model.eval()
-            completions = Engine(orig_model, tokenizer).generate(prompts, max_tokens=32, temperature=0.0)
+            # A few short greedy samples: a decode-step compile would cost more than it saves.
+            completions = Engine(orig_model, tokenizer, compiled=False).generate(prompts, max_tokens=32,
+                                                                                temperature=0.0)
             for prompt, (completion,) in zip(prompts, completions):
                 print0(f"  sample: {tokenizer.decode(prompt[1:] + completion.tokens)!r}")
             orig_model.train()

@@ -86,9 +86,10 @@ from pathlib import Path
 
 import torch
 
-from common import (FINISHED, HARDWARE, Logger, add_stage_flags, append_report, batch_tokens_for_device,
-                    checkpoint_dir, compute_cleanup, compute_init, exit_preempted, fit_batch_tokens, kv_cache_bytes,
-                    load_checkpoint, model_size, preempted, print0, print_plan, resume_or_finish, run_cli,
+from common import (ASSUMED_PASS_RATE, FINISHED, HARDWARE, Logger, add_stage_flags, append_report,
+                    batch_tokens_for_device, checkpoint_dir, compute_cleanup, compute_init, exit_preempted,
+                    expected_sampling_rounds, fit_batch_tokens, inference_memory, kv_cache_bytes, load_checkpoint,
+                    model_size, preempted, print0, print_plan, resume_or_finish, rl_models_bytes, run_cli,
                     save_checkpoint, stage_plan, synchronize)
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
@@ -108,30 +109,43 @@ PLAN_PROMPT_TOKENS = 256  # a GSM8K prompt, rendered, is at most ~250 tokens: fo
 
 def plan(args, config):
     """
-    The preset's budget (common.stage_plan). Rollouts dominate: each step decodes prompts x group_size x oversample
-    rows of max_tokens (the batch runs until its longest row ends), assuming ONE sampling round per step (dynamic
-    sampling adds a round whenever the oversampled groups hold too few with contrast), plus the held-out
-    evaluations; at HARDWARE's assumed decode rate. The learner: every kept row at prompt + max_tokens positions, 6N
-    FLOPs per token plus the chunked logits' second lm_head forward, a no-grad old-log-prob pass (2N) only when
-    --epochs or --minibatches > 1 (skipped otherwise), a reference pass (2N) with --kl-coef. Memory: the learner at
-    the largest micro-batch that fits, plus this rank's KV cache of a round (bf16) as if it were still held, plus
-    the reference model's fp32 weights with --kl-coef.
+    The preset's budget (common.stage_plan). Rollouts dominate: each sampling round decodes prompts x group_size x
+    oversample rows of max_tokens (the batch runs until its longest row ends); dynamic sampling runs rounds until
+    every rank holds its groups with contrast, common.expected_sampling_rounds of them from the task's assumed
+    starting pass rate (common.ASSUMED_PASS_RATE; one round without the filter or without an assumed rate), plus the
+    held-out evaluations; at HARDWARE's assumed decode rate. The learner: every kept row at prompt + max_tokens
+    positions, 6N FLOPs per token plus the chunked logits' second lm_head forward, a no-grad old-log-prob pass (2N)
+    only when --epochs or --minibatches > 1 (skipped otherwise), a reference pass (2N) with --kl-coef. Memory: the
+    larger of the learner at the largest micro-batch that fits (gradients summed in place, no DDP buckets) and the
+    rollout (weights, optimizer state, this rank's KV cache of a round, bf16), which never coexist: the engine's
+    cache is freed when generate returns; both plus the reference, reward model and critic the flags load
+    (common.rl_models_bytes).
     """
     hw = HARDWARE[args.preset]
-    num_params, flops = model_size(config)
+    flops = model_size(config)[1]
     positions = PLAN_PROMPT_TOKENS + args.max_tokens
-    rows = args.prompts_per_step * args.group_size * args.oversample  # per step, all ranks
+    rows = args.prompts_per_step * args.group_size * args.oversample  # per sampling round, all ranks
+    pass_rate = ASSUMED_PASS_RATE.get(args.task, {}).get(args.preset)
+    filtered = args.filter_zero_contrast and args.reward == "verifier" and pass_rate is not None
+    rounds = expected_sampling_rounds(pass_rate, args.group_size, math.ceil(args.prompts_per_step / hw["gpus"]),
+                                      args.oversample, hw["gpus"], args.max_sampling_rounds) if filtered else 1.0
     evals = args.num_steps // args.eval_every + 1
-    decode = args.num_steps * rows * args.max_tokens + evals * args.eval_problems * args.eval_samples * args.max_tokens
+    decode = (args.num_steps * rounds * rows * args.max_tokens
+              + evals * args.eval_problems * args.eval_samples * args.max_tokens)
     passes = args.epochs * (flops + 2 * config.n_embd * config.vocab_size)
     passes += (flops / 3 if args.epochs > 1 or args.minibatches > 1 else 0) + (flops / 3 if args.kl_coef > 0 else 0)
     tokens = args.num_steps * args.prompts_per_step * args.group_size * positions
-    extra = kv_cache_bytes(config, math.ceil(rows / hw["gpus"]), positions)
-    extra += 4 * num_params if args.kl_coef > 0 else 0
+    extra = sum(rl_models_bytes(config, reference=args.kl_coef > 0, reward_model=args.reward == "rm",
+                                critic=False).values())
+    rollout = inference_memory(config, math.ceil(rows / hw["gpus"]), positions, math.ceil(rows / hw["gpus"]),
+                               optimizer=True) + extra
     micro = fit_batch_tokens("rl", config, hw["memory"], args.device_batch_tokens, positions, LOGITS_CHUNK_TOKENS,
-                             extra)
-    return stage_plan("rl", args.preset, config, micro, LOGITS_CHUNK_TOKENS, tokens, passes, decode_tokens=decode,
-                      extra_bytes=extra, note=f"one sampling round per step, --oversample {args.oversample:g}")
+                             extra, ddp=False)
+    why = f"pass@1 {pass_rate:.0%} assumed, slowest of {hw['gpus']} rank(s)" if filtered else "no contrast filter"
+    return dict(stage_plan("rl", args.preset, config, micro, LOGITS_CHUNK_TOKENS, tokens, passes, decode_tokens=decode,
+                           extra_bytes=extra, ddp=False, phase_bytes=rollout,
+                           note=f"{rounds:.2f} sampling rounds per step ({why}), --oversample {args.oversample:g}"),
+                sampling_rounds=rounds)
 
 
 def parse_args(argv=None):

@@ -32,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine, load_model
+from judge import JudgedTask, add_judge_flags, judge_from_args
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from rollout import preference_pairs
 from tasks import pad_sequences, task_by_name
@@ -91,16 +92,18 @@ def evaluate_pairs(model, pairs, batch_size, center_coef, pad_id, device):
             "score": float(sums[3]) / n}
 
 
-def build_pairs(args, model, tokenizer, split, max_seq_len):
+def build_pairs(args, model, tokenizer, split, max_seq_len, judge=None):
     """
     This rank's pairs of `split` (rollout.preference_pairs), counts over all ranks, and the fewest pairs of a rank.
-    Self-generated held-out pairs are sampled with seed + 1, so they are not the training pairs' samples.
+    Self-generated held-out pairs are sampled with seed + 1, so they are not the training pairs' samples;
+    with a judge (judge.JudgeVerifier) they are labelled by it instead of --task's verifier.
     """
     size = args.train_pairs if split == "train" else args.eval_pairs
     task = engine = None
     if args.pairs == "self-generated":
         task = task_by_name(args.task, split, size, args.seed)
         engine = Engine(model.gpt, tokenizer)
+        task = JudgedTask(task, judge) if judge else task
     pairs, counts, shares = preference_pairs(args.pairs, split, size, tokenizer, max_seq_len, engine=engine, task=task,
                                              samples=args.samples, max_new_tokens=args.max_new_tokens,
                                              temperature=1.0, seed=args.seed + (task is not None and split == "test"))
@@ -135,11 +138,13 @@ def main(argv=None):
     add("--device-batch-size", type=int, help="pairs per forward/backward on each rank")
     add("--epochs", type=int, help="passes over the training pairs")
     add("--eval-every", type=int, help="held-out evaluation every N steps (and before and after)")
+    add_judge_flags(parser)
     add("--dry-run", action="store_true", help="build model, pairs and optimizers, print the plan and stop")
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    judge = judge_from_args(args, args.pairs == "self-generated", "use it with --pairs self-generated")
 
     stage_start = time.time()
     ddp, rank, local_rank, world_size, device = compute_init(args.device, args.seed)
@@ -155,8 +160,8 @@ def main(argv=None):
            f"centring coefficient {args.center_coef}")
 
     t0 = time.time()
-    train_pairs, train_counts, min_pairs = build_pairs(args, model, tokenizer, "train", max_seq_len)
-    eval_pairs, eval_counts, _ = build_pairs(args, model, tokenizer, "test", max_seq_len)
+    train_pairs, train_counts, min_pairs = build_pairs(args, model, tokenizer, "train", max_seq_len, judge)
+    eval_pairs, eval_counts, _ = build_pairs(args, model, tokenizer, "test", max_seq_len, judge)
     print0(f"pairs ({time.time() - t0:.0f}s): train {dict(train_counts)} | held-out {dict(eval_counts)}")
     if args.batch_size % (args.device_batch_size * world_size):
         raise ValueError(f"--batch-size {args.batch_size} is not a multiple of --device-batch-size "

@@ -35,6 +35,7 @@ import common
 from common import autocast_ctx, format_eta, get_dist_info, print0, resolve_checkpoint
 from engine import Engine, load_model, sampling_logprobs
 from eval import completion_text, evaluate_generative
+from judge import JudgedTask, add_judge_flags, judge_from_args
 from tasks import (PromptMixture, collate, completion_reward, decontamination_index, pad_sequences, prepare_rows,
                    preference_mixture, render_pair, row_texts, task_by_name, token_budget_batches)
 
@@ -44,13 +45,18 @@ PRESETS = {  # of both RL stages, rl.py and ppo.py: they sample the same prompts
     "tiny": dict(task="synthetic", train_size=5000, num_steps=50, prompts_per_step=16, group_size=8, max_tokens=48,
                  device_batch_tokens=8192, lr_frac=0.15, warmup_steps=0, eval_every=25, eval_problems=128,
                  eval_samples=8, save_every=25, oversample=1.0, decontaminate=False),
-    # GSM8K on one 24 GB GPU (plan(): ~25 min): 32 prompts x 8 samples per step, 2x oversampled.
-    "small": dict(task="gsm8k", train_size=None, num_steps=40, prompts_per_step=32, group_size=8, max_tokens=512,
-                  device_batch_tokens=8192, lr_frac=0.05, warmup_steps=4, eval_every=20, eval_problems=200,
-                  eval_samples=8, save_every=20, oversample=2.0, decontaminate=True),
-    # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global; 2x oversampled, so that one
-    # sampling round usually finds 64 groups with contrast (plan(): ~50 min, rollout-bound: it assumes one round).
-    "full": dict(task="gsm8k", train_size=None, num_steps=200, prompts_per_step=64, group_size=16, max_tokens=512,
+    # GSM8K on one 24 GB GPU: 32 prompts x 8 samples per step, 2x oversampled; plan(): ~4 sampling rounds per step
+    # at the 2% pass@1 assumed for depth 8, so 30 steps of <= 256 tokens (GSM8K's reference answers with calculator
+    # calls: median 103, p99 290 tokens at a 4,096-token vocabulary, fewer at 65,536: the longest ~1% may be cut)
+    # and held-out pass@1 on 100 problems instead of 200 (its standard error sqrt(2) = 1.4x as large).
+    "small": dict(task="gsm8k", train_size=None, num_steps=30, prompts_per_step=32, group_size=8, max_tokens=256,
+                  device_batch_tokens=8192, lr_frac=0.05, warmup_steps=4, eval_every=15, eval_problems=100,
+                  eval_samples=8, save_every=15, oversample=2.0, decontaminate=True),
+    # GSM8K on a GPU node: 64 prompts x 16 samples = 1024 completions per step, global; 2x oversampled. plan(): ~3.7
+    # sampling rounds per step at the 5% pass@1 assumed for depth 20, rollout-bound: 100 steps (0.86 of an epoch of
+    # GSM8K train, where 200 made 1.7: less of RL's gain, unmeasured) of <= 384 tokens (every reference answer
+    # measured above fits) keep the speedrun near 4 hours.
+    "full": dict(task="gsm8k", train_size=None, num_steps=100, prompts_per_step=64, group_size=16, max_tokens=384,
                  device_batch_tokens=16384, lr_frac=0.05, warmup_steps=10, eval_every=50, eval_problems=400,
                  eval_samples=8, save_every=50, oversample=2.0, decontaminate=True),
 }
@@ -449,7 +455,8 @@ class RolloutWorker:
         self.process.join(timeout=30)
 
 
-def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64):
+def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64,
+                         unpaired=False):
     """
     On-policy preference pairs: sample `num_samples` answers to each task[i] with the engine, score each with
     score_group, and pair one correct answer (reward > 0) with one incorrect answer, each drawn at random
@@ -460,6 +467,9 @@ def self_generated_pairs(engine, task, indices, num_samples, max_tokens, tempera
     ids, never re-tokenized: ids = prompt + completion tokens, mask = 0 on the prompt and the completion's mask (1
     where the model sampled the token, 0 on forced tool outputs). Returns (pairs as ((ids, mask), (ids, mask)),
     Counter of outcomes per prompt, plus "verifier errors" and "truncated" counted per answer).
+    unpaired=True (KTO's data): no pairing; every distinct scored answer of every prompt is an example
+    ((ids, mask), desirable), desirable = correct; the Counter has "desirable" and "undesirable" per answer.
+    A task with a prefetch method (judge.JudgedTask) gets each batch's finished answers at once first.
     """
     pairs, stats = [], Counter()
     for start in range(0, len(indices), prompts_per_batch):
@@ -468,14 +478,26 @@ def self_generated_pairs(engine, task, indices, num_samples, max_tokens, tempera
         prompts = [engine.tokenizer.render_for_completion(c) for c in conversations]
         results = engine.generate(prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature,
                                   seed=seed + start)
+        if hasattr(task, "prefetch"):  # a judge: score the batch's finished answers concurrently, then one by one
+            task.prefetch([(conversation, completion_text(engine.tokenizer, completion))
+                           for conversation, completions in zip(conversations, results)
+                           for completion in completions if completion.finish == "stop"])
         for i, conversation, prompt, completions in zip(batch, conversations, prompts, results):
             correct, incorrect = [], []
             for completion, reward, error in zip(completions, *score_group(task, conversation, completions,
                                                                            engine.tokenizer)):
                 stats["verifier errors"] += int(error)
                 stats["truncated"] += int(completion.finish == "length")
+                stats["sampled tokens"] += len(completion.tokens)
                 if not error:
                     (correct if reward > 0 else incorrect).append(completion)
+            if unpaired:
+                for desirable, kind in ((True, correct), (False, incorrect)):
+                    distinct = dict.fromkeys((tuple(c.tokens), tuple(c.mask)) for c in kind)  # first-seen order
+                    pairs.extend(((prompt + list(tokens), [0] * len(prompt) + list(mask)), desirable)
+                                 for tokens, mask in distinct)
+                    stats["desirable" if desirable else "undesirable"] += len(distinct)
+                continue
             if not correct or not incorrect:
                 stats["all correct" if correct else "all incorrect" if incorrect else "unscored"] += 1
                 continue
@@ -487,7 +509,7 @@ def self_generated_pairs(engine, task, indices, num_samples, max_tokens, tempera
 
 
 def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, task=None, samples=8, max_new_tokens=64,
-                     temperature=1.0, seed=0, index=None):
+                     temperature=1.0, seed=0, index=None, unpaired=False):
     """
     This rank's share of the preference pairs of `split` (DPO's and the reward model's data), as
     ((ids, mask), (ids, mask)):
@@ -497,18 +519,26 @@ def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, t
         else the static preference_mixture(source, ...) ("synthetic" or "ultrafeedback"), rendered by render_pair.
     index (tasks.NgramIndex, optional): problems and rows that overlap an evaluation set are skipped ("contaminated").
     Returns (pairs, counts of what happened to the rows of all ranks, [(pairs, tokens of both sides)] per rank).
+    unpaired=True (KTO): examples ((ids, mask), desirable) instead of pairs: self-generated, every distinct scored
+    answer labelled by the verifier (self_generated_pairs(unpaired=True)); static, each pair split into its chosen
+    (desirable) and rejected (undesirable) answer.
     """
     _, rank, _, world_size = common.get_dist_info()
+    sides = (lambda item: item[:1]) if unpaired else (lambda item: item)  # the token sequences of a pair or example
     if source == "self-generated":
         indices = list(range(rank, len(task), world_size))
         clean = [i for i in indices if index is None or not index.contaminated(task[i])]
         contaminated, indices = len(indices) - len(clean), clean
         with autocast_ctx(next(engine.model.parameters()).device):
             pairs, counts = self_generated_pairs(engine, task, indices, samples, max_new_tokens, temperature,
-                                                 seed=seed + 1_000_003 * rank)
-        fits = [max(len(chosen[0]), len(rejected[0])) <= max_seq_len for chosen, rejected in pairs]
+                                                 seed=seed + 1_000_003 * rank, unpaired=unpaired)
+        fits = [max(len(ids) for ids, _ in sides(item)) <= max_seq_len for item in pairs]
         counts["too long"] = fits.count(False)
-        counts["paired"] -= counts["too long"]
+        if unpaired:
+            for (_, desirable), fit in zip(pairs, fits):
+                counts["desirable" if desirable else "undesirable"] -= int(not fit)
+        else:
+            counts["paired"] -= counts["too long"]
         if index is not None:
             counts["contaminated"] = contaminated
         pairs = [pair for pair, fit in zip(pairs, fits) if fit]
@@ -519,7 +549,9 @@ def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, t
                                       range(rank, len(mixture), world_size), index=index)
         counts = Counter({f"{name} {reason}": count for (name, reason), count in skipped.items()})
         counts["paired"] = len(pairs)
-    share = (counts, len(pairs), sum(len(chosen[0]) + len(rejected[0]) for chosen, rejected in pairs))
+        if unpaired:
+            pairs = [example for chosen, rejected in pairs for example in ((chosen, True), (rejected, False))]
+    share = (counts, len(pairs), sum(len(ids) for item in pairs for ids, _ in sides(item)))
     shares = [share]
     if dist.is_initialized():
         shares = [None] * world_size
@@ -836,10 +868,12 @@ def add_flags(parser):
              "full 2)")
     add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
     add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
-    add("--reward", choices=["verifier", "rm"], default="verifier",
+    add("--reward", choices=["verifier", "rm", "judge"], default="verifier",
         help="verifier: the task's exact check; rm: the --rm-ckpt reward model's score of each completion, normalised "
-             "per batch (normalize_scores); the verifier then only measures (reward/accuracy, held-out pass@1)")
+             "per batch (normalize_scores); judge: the --judge-url LM judge's score / max_score (0 for a broken hard "
+             "rule; judge.py); with rm or judge the verifier only measures (reward/accuracy, held-out pass@1)")
     add("--rm-ckpt", default=None, help="reward model checkpoint of rm.py (--reward rm)")
+    add_judge_flags(parser)
     # the policy loss
     add("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see policy_loss)")
     add("--eps-low", type=float, default=None,
@@ -904,6 +938,11 @@ def finish_args(parser, args):
         parser.error("--reward rm needs --rm-ckpt PATH (a checkpoint written by rm.py)")
     if args.reward == "rm" and args.overlong_buffer:
         parser.error("--overlong-buffer shapes verifier rewards; it does not apply to --reward rm")
+    if args.reward == "judge" and args.judge_url is None:
+        parser.error("--reward judge needs --judge-url URL and --judge-rubric FILE (judge.py)")
+    if args.reward == "judge" and args.async_rollouts:
+        parser.error("--reward judge with --async is not supported: the rollout process would need its own judge "
+                     "client; drop --async")
     parse_task_mixture(args.task)  # a bad --task fails before any model is loaded
     if args.async_rollouts and args.ptgs:
         raise ValueError("--async with --ptgs is not supported: the controller would draw in the worker from a "
@@ -932,6 +971,9 @@ def prepare_prompts(args, world_size):
     """
     sources = parse_task_mixture(args.task)
     train_task = PromptMixture([(name, task_by_name(name, "train", args.train_size), w) for name, w in sources])
+    judge = judge_from_args(args, args.reward == "judge", "use it with --reward judge")
+    if judge:  # the judge scores the training rollouts; the held-out problems keep their verifier
+        train_task.tasks = {name: JudgedTask(task, judge, graded=True) for name, task in train_task.tasks.items()}
     test_task = PromptMixture([(name, task_by_name(name, "test", args.eval_problems), w) for name, w in sources])
     eval_indices = list(range(min(args.eval_problems, len(test_task))))
     decontaminated = {}

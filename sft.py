@@ -29,6 +29,16 @@ The tiny default is 0.1: the smallest fraction measured that keeps bpb within 1.
 pass@1 does not drop (the replayed documents are worked problems in plain text); it costs 2 extra rows per 16
 conversations, and 0.25 buys little more for 5. The full preset keeps 0 until measured at that scale (SmolTalk is
 itself general text): pass --replay-frac to turn it on.
+
+Rejection-sampling fine-tuning (--rft-rounds R; RFT, Yuan et al. 2023; expert iteration; Llama 3's rejection
+sampling): starting from a chat checkpoint (default checkpoints/sft), each round samples --rft-samples answers to
+each of --rft-prompts training problems of --rft-task from the current model (rollout.preference_pairs, the
+self-generated path: decontaminated with --decontaminate like every stage), keeps the distinct answers that stopped
+and that the verifier accepts, at most --rft-keep per problem (rft_keep), and trains one pass over them with the SFT
+loss above; the next round samples from the new weights. Each round reports the problems with >= 1 kept answer, the
+answers kept, the tokens sampled, and held-out pass@1 / pass@k at temperature 1. Saved to checkpoints/rft.
+
+    python sft.py --preset tiny --rft-rounds 3      # from checkpoints/sft
 """
 
 import argparse
@@ -49,9 +59,10 @@ from eval import PRESETS as EVAL_PRESETS
 from eval import completion_text, evaluate_bpb, evaluate_generative, validation_batches
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint)
+from rollout import mix_seed, preference_pairs
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
                    decontamination_index, extract_final_answer, prepare_rows, pretraining_batches, pretraining_texts,
-                   token_budget_batches)
+                   row_texts, task_by_name, token_budget_batches)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, plan(): ~6 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k
@@ -271,12 +282,101 @@ def add_replay(rows, stream, replay_frac):
     return rows + [(ids, [1] * length) for ids in replay]
 
 
+def rft_keep(examples, max_per_prompt):
+    """
+    Rejection sampling's filter: of labelled answers ((ids, mask), desirable) (rollout.self_generated_pairs
+    unpaired: distinct, desirable = stopped and verified correct), the desirable ones, at most max_per_prompt per
+    prompt (the tokens before the first trained one), in their order. Returns [(ids, mask)].
+    """
+    kept, per_prompt = [], Counter()
+    for (ids, mask), desirable in examples:
+        prompt = tuple(ids[:mask.index(1)])
+        if desirable and per_prompt[prompt] < max_per_prompt:
+            per_prompt[prompt] += 1
+            kept.append((ids, mask))
+    return kept
+
+
+def held_out_coverage(model, tokenizer, task, args, device):
+    """pass@1 and pass@k (k = --rft-eval-samples, temperature 1) and the truncated samples on the held-out problems."""
+    k = args.rft_eval_samples
+    with autocast_ctx(device):
+        result = evaluate_generative(Engine(model, tokenizer), task, list(range(len(task))), num_samples=k,
+                                     ks=(1, k), max_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed)
+    return {"pass@1": result["pass@1"], f"pass@{k}": result[f"pass@{k}"], "truncated": result["truncated"]}
+
+
+def rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, out_dir, max_seq_len):
+    """
+    --rft-rounds R of sample -> filter (rft_keep) -> one SFT pass over what was kept (see the docstring). Every rank
+    samples its share of the prompts and trains on its own kept answers, the same number of steps on every rank (the
+    fewest a rank can fill). Returns (the per-round records, held-out metrics before the first round).
+    """
+    world_size = dist.get_world_size() if ddp else 1
+    train_task = task_by_name(args.rft_task, "train", args.rft_prompts, args.seed)
+    test_task = task_by_name(args.rft_task, "test", args.check_problems, args.seed)
+    held_out = [text for i in range(len(test_task)) for text in row_texts(test_task[i])[:1]]
+    index = decontamination_index(args.preset, held_out) if args.decontaminate else None
+    optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
+                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    train_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None) \
+        if ddp else model
+    replay_stream = replay_tokens(tokenizer, args.preset, dist.get_rank() if ddp else 0, world_size) \
+        if args.replay_frac else None
+    rows_per_rank = args.batch_size // world_size
+    before = held_out_coverage(model, tokenizer, test_task, args, device)
+    k = args.rft_eval_samples
+    print0(f"rft: {args.rft_rounds} rounds of {args.rft_samples} samples x {len(train_task)} {args.rft_task} "
+           f"problems, <= {args.rft_keep} kept per problem | held-out pass@1 {before['pass@1']:.1%}, "
+           f"pass@{k} {before[f'pass@{k}']:.1%}")
+    history = []
+    for round_index in range(args.rft_rounds):
+        t0 = time.time()
+        examples, counts, _ = preference_pairs(
+            "self-generated", "train", args.rft_prompts, tokenizer, max_seq_len, engine=Engine(model, tokenizer),
+            task=train_task, samples=args.rft_samples, max_new_tokens=args.max_new_tokens,
+            temperature=args.rft_temperature, seed=mix_seed(args.seed, round_index), index=index, unpaired=True)
+        rows = rft_keep(examples, args.rft_keep)
+        mine = torch.tensor([len({tuple(ids[:mask.index(1)]) for ids, mask in rows}), len(rows), len(rows)],
+                            dtype=torch.long, device=device)  # [prompts kept, answers kept, fewest answers of a rank]
+        if ddp:
+            dist.all_reduce(mine[:2])
+            dist.all_reduce(mine[2:], op=dist.ReduceOp.MIN)
+        num_steps = int(mine[2]) // rows_per_rank
+        losses = []
+        for step in range(num_steps):
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    group["lr"] = group["initial_lr"] * (1.0 - step / num_steps)  # linear decay to 0 each round
+            micro, _, _ = micro_batches_of(rows, step * rows_per_rank, rows_per_rank, args.device_batch_tokens,
+                                           tokenizer.bos_id, replay_stream, args.replay_frac)
+            losses.append(backward_sft_loss(train_model, micro, device)[0])
+            for optimizer in optimizers:
+                optimizer.step()
+            model.zero_grad(set_to_none=True)
+        record = {"round": round_index + 1, "prompts_kept": int(mine[0]), "answers_kept": int(mine[1]),
+                  "sampled_tokens": counts["sampled tokens"], "steps": num_steps,
+                  "train_loss": sum(losses) / len(losses) if losses else None,
+                  "sampling": {name: n for name, n in counts.items() if name != "sampled tokens"},
+                  **held_out_coverage(model, tokenizer, test_task, args, device)}
+        history.append(record)
+        print0(f"round {round_index + 1}/{args.rft_rounds} | problems with a kept answer {record['prompts_kept']}/"
+               f"{args.rft_prompts} | answers kept {record['answers_kept']} | {num_steps} steps"
+               + (f", loss {record['train_loss']:.4f}" if losses else " (too few kept answers for a step)")
+               + f" | held-out pass@1 {record['pass@1']:.1%}, pass@{k} {record[f'pass@{k}']:.1%} | "
+               f"{record['sampled_tokens']:,} tokens sampled | {time.time() - t0:.0f}s")
+    return history, before
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Supervised fine-tuning of the base model on chat conversations.")
+    parser = argparse.ArgumentParser(description="Supervised fine-tuning of the base model on chat conversations; "
+                                                 "with --rft-rounds, rejection-sampling fine-tuning of a chat model.")
     common.add_stage_flags(parser, PRESETS, preset="defaults for the flags below", seed="data order and sampling seed",
-                           ckpt="base checkpoint to start from (default: checkpoints/base)",
-                           out="where to save (default: checkpoints/sft)",
-                           resume="continue from the latest checkpoint in --out")
+                           ckpt="base checkpoint to start from (default: checkpoints/base; --rft-rounds: "
+                                "checkpoints/sft)",
+                           out="where to save (default: checkpoints/sft; --rft-rounds: checkpoints/rft)",
+                           resume="continue from the latest checkpoint in --out (--rft-rounds: exit if it is "
+                                  "finished, else start over)")
     parser.add_argument("--train-rows", type=int, help="rows of the main training source (tiny: synthetic, full: "
                         "SmolTalk; default: the preset's)")
     parser.add_argument("--num-steps", type=int, default=None, help="optimizer steps (default: one pass over the data)")
@@ -302,9 +402,24 @@ def main(argv=None):
                              "13-gram of normalised words); default on for full, off for tiny (split by question hash)")
     parser.add_argument("--dry-run", action="store_true", help="build the model, data and optimizers, print the plan "
                         "and stop before the first forward pass")
+    parser.add_argument("--rft-rounds", type=int, default=0, help="rejection-sampling fine-tuning rounds (0: plain "
+                        "SFT); --train-rows, --num-steps, --eval-every, --eval-rows and --save-every are SFT's only")
+    parser.add_argument("--rft-task", choices=("synthetic", "gsm8k"), default="synthetic",
+                        help="verifiable task whose training problems are sampled and whose held-out ones measure")
+    parser.add_argument("--rft-prompts", type=int, default=512, help="training problems sampled each round")
+    parser.add_argument("--rft-samples", type=int, default=8, help="answers sampled per problem each round (k)")
+    parser.add_argument("--rft-keep", type=int, default=2, help="most distinct correct answers kept per problem (m)")
+    parser.add_argument("--rft-temperature", type=float, default=1.0, help="sampling temperature of the rounds")
+    parser.add_argument("--rft-eval-samples", type=int, default=8,
+                        help="samples per held-out problem (--check-problems of them): pass@1 and pass@k, T=1")
     add_lora_flags(parser)
     args = parser.parse_args(argv)
     check_lora_flags(parser, args)
+    stage = "rft" if args.rft_rounds else "sft"
+    if args.rft_rounds < 0 or args.rft_samples < 1 or args.rft_keep < 1 or args.rft_eval_samples < 1:
+        raise ValueError("--rft-rounds must be >= 0 and --rft-samples, --rft-keep, --rft-eval-samples >= 1")
+    if args.rft_rounds and args.lora_rank:
+        parser.error("--lora-rank trains plain SFT's adapters; --rft-rounds fine-tunes every weight")
     fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -314,19 +429,32 @@ def main(argv=None):
 
     ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
     stage_start = time.time()
-    out_dir = args.out or common.checkpoint_dir("sft")
-    resume = common.resume_or_finish(out_dir, args.resume, "sft")  # the step folder to continue from, or None
+    out_dir = args.out or common.checkpoint_dir(stage)
+    resume = common.resume_or_finish(out_dir, args.resume, stage)  # the step folder to continue from, or None
     if resume is common.FINISHED:
         return
 
-    model, tokenizer, base_meta = load_model(args.ckpt or common.checkpoint_dir("base"), device)
+    model, tokenizer, base_meta = load_model(args.ckpt or common.checkpoint_dir("sft" if args.rft_rounds else "base"),
+                                             device)
     lora = attach_lora(model, args)  # None without --lora-rank
     max_seq_len = args.max_seq_len or model.config.sequence_len
     args.device_batch_tokens = common.batch_tokens_for_device("sft", None if fit_batch else args.device_batch_tokens,
                                                               device, model.config, args.device_batch_tokens,
                                                               max_seq_len, LOGITS_CHUNK_TOKENS)
-    print0(f"loaded base: {model.num_params():,} parameters, sequence_len {model.config.sequence_len}, "
-           f"vocab {tokenizer.vocab_size}; training on conversations of <= {max_seq_len} tokens")
+    print0(f"loaded {base_meta.get('stage', 'base')}: {model.num_params():,} parameters, sequence_len "
+           f"{model.config.sequence_len}, vocab {tokenizer.vocab_size}; training on conversations of <= {max_seq_len} "
+           "tokens")
+    if args.rft_rounds:
+        history, before = rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, out_dir,
+                                                    max_seq_len)
+        if rank == 0:
+            meta = {"stage": "rft", "finished": True, "preset": args.preset, "args": vars(args),
+                    "metrics": history[-1], "from_step": base_meta.get("step")}
+            print0(f"saved {common.save_checkpoint(out_dir, args.rft_rounds, model, meta, tokenizer=tokenizer)}")
+        common.append_report({"stage": "rft", "preset": args.preset, "seconds": time.time() - stage_start,
+                              "task": args.rft_task, "before": before, "rounds": history})
+        compute_cleanup()
+        return
 
     # Data: this rank renders its share of the mixture; over-long and malformed rows are skipped and counted.
     train_mix = sft_mixture(args.preset, "train", args.train_rows, seed=args.seed)

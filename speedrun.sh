@@ -2,8 +2,8 @@
 # nanopost speedrun: tokenizer -> base pretraining -> SFT -> DPO -> GRPO -> eval -> report card.
 #
 #   bash speedrun.sh              # no GPU: the tiny preset on synthetic data (2 CPU cores, ~13 minutes idle)
-#                                 # one GPU: the small preset (~2 hours on a 24 GB card)
-#                                 # 8 GPUs of >= 80 GB: the full preset with torchrun (~3.7 hours on 8xH100)
+#                                 # one GPU: the small preset (~2.2 hours on a 24 GB card)
+#                                 # 8 GPUs of >= 80 GB: the full preset with torchrun (~3.9 hours on 8xH100)
 #   PRESET=small bash speedrun.sh # override the choice
 #   bash speedrun.sh --choose     # only print the preset this machine gets, and why
 #   WANDB_RUN=name bash speedrun.sh   # also log every stage to Weights & Biases
@@ -25,23 +25,30 @@
 #   eval       val bpb, ARC/MMLU, GSM8K pass@1/pass@k, coverage SFT vs RL, report.md
 # The budget: `python plan.py --preset full|small`, from each stage's plan() (its --dry-run prints the same), not a
 # measurement: FLOPs at an assumed MFU (40% pretraining, 25% post-training), rollouts and evaluations at an assumed
-# decode rate (10,000 tokens/s per H100, 8,000 per 24 GB GPU), RL at one sampling round per step with --oversample 2
-# and no old-log-prob pass; peak memory from model.training_memory at the micro-batch that fits (pretraining: the
-# eager bound, the compiled step keeps less). Download and tokenizer come on top. tests/test_plan.py checks these lines.
+# decode rate (10,000 tokens/s per H100, 8,000 per 24 GB GPU), RL's sampling rounds per step from an assumed
+# starting pass@1 with the slowest rank gating each step (common.expected_sampling_rounds), no old-log-prob pass;
+# peak memory of the phase that holds most at once (the learner from model.training_memory at the micro-batch that
+# fits, or RL's rollouts and eval's generation with their KV cache; pretraining: the eager bound, the compiled step
+# keeps less). Download and tokenizer come on top. The two unknowns that move the total most are named under each
+# table with what another value would change. tests/test_plan.py checks these lines.
 #   full preset on 8xH100 80GB: minutes, peak GiB per GPU
 #     base     157 min   54.8 GiB
 #     sft        6 min   61.2 GiB
 #     dpo        3 min   61.2 GiB
-#     rl        50 min   57.1 GiB
-#     eval       3 min   28.6 GiB
-#     total    220 min
+#     rl        64 min   36.2 GiB
+#     eval       3 min   22.0 GiB
+#     total    233 min
+#     unknown: pretraining MFU 40% assumed; at 33%: +33 min, 50%: -31 min
+#     unknown: RL 3.7 sampling rounds per step (gsm8k pass@1 5% at the start) assumed; at 1: -45 min, 4 (the cap): +5 min
 #   small preset on 1x RTX 4090 24GB: minutes, peak GiB per GPU
 #     base      76 min   14.6 GiB
 #     sft        7 min   11.0 GiB
 #     dpo        6 min   11.0 GiB
-#     rl        28 min   15.1 GiB
-#     eval       8 min    4.7 GiB
-#     total    126 min
+#     rl        35 min    8.8 GiB
+#     eval       8 min    4.4 GiB
+#     total    132 min
+#     unknown: pretraining MFU 40% assumed; at 33%: +16 min, 50%: -15 min
+#     unknown: RL 4.0 sampling rounds per step (gsm8k pass@1 2% at the start) assumed; at 1: -25 min
 set -euo pipefail
 cd "$(dirname "$0")"
 

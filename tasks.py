@@ -90,8 +90,10 @@ def _time_limit(seconds):
 def safe_reward(task, conversation, completion, timeout=1.0):
     """
     (reward, error) for one completion. A verifier that raises, times out or returns something that is not a
-    finite number scores 0.0 with error=True: a broken check must never count as a success.
+    finite number scores 0.0 with error=True: a broken check must never count as a success. A task whose verifier
+    is slow by nature (judge.JudgedTask: an HTTP request) says how long it may take in `verifier_timeout`.
     """
+    timeout = getattr(task, "verifier_timeout", timeout)
     try:
         with _time_limit(timeout):
             reward = float(task.reward(conversation, completion))

@@ -16,9 +16,13 @@ Rows of the table, each through the stage's own code:
               that fits this GPU (common.batch_tokens_for_device): the worst case of a real micro-batch
     dpo       the same with dpo.preference_losses on pairs of two full-length sides
     engine    Engine.generate of --engine-rows rows x --engine-tokens tokens under autocast: tokens/s, KV-cache dtype
+    decode    for each of --decode-rows: Engine.generate's eager step vs its compiled step (StaticKVCache, CUDA
+              graphs) at that many rows x --engine-tokens tokens, tokens/s of a call after the first, and the compile
+              time (the first compiled call's extra seconds)
     rl        rl.main for one step of the preset at --rl-prompts prompts (no dynamic sampling: a barely trained model
               solves nothing): rollout and learner seconds
-"peak" is torch.cuda.max_memory_allocated of the check, "plan" what common.planned_memory predicts for it.
+"peak" is torch.cuda.max_memory_allocated of the check, "plan" what common.planned_memory predicts for it; "seconds" is
+the check's time, except for decode: the compile's.
 """
 
 import argparse
@@ -62,6 +66,8 @@ def parse_args(argv=None):
                         "largest of the preset's budget, half of it, ... that fits the GPU; CPU: one row or pair)")
     parser.add_argument("--engine-rows", type=int, default=128, help="rows the engine decodes together")
     parser.add_argument("--engine-tokens", type=int, default=256, help="tokens each engine row generates")
+    parser.add_argument("--decode-rows", type=int, nargs="*", default=[32, 256],
+                        help="row counts of the eager-vs-compiled decode check (none: skip it)")
     parser.add_argument("--rl-prompts", type=int, default=4, help="prompts of the RL step (x the preset's group size)")
     parser.add_argument("--rl-max-tokens", type=int, help="RL generation budget (default: the preset's)")
     parser.add_argument("--device", default=None, help="cuda | cpu (default: autodetect)")
@@ -199,6 +205,25 @@ def check_engine(args, device, model, tokenizer):
                 error=None if ok else f"keys {cache.keys[0].dtype} but values {cache.values[0].dtype}")
 
 
+def check_decode(args, device, model, tokenizer, rows):
+    """Engine.generate eager vs compiled at `rows` rows (8 prompts x rows/8 samples, or 1 prompt) x --engine-tokens."""
+    model.eval()
+    prompts = [tokenizer.encode(f"Question {i}: what is {i} + {i}?", prepend="<|bos|>") for i in range(min(8, rows))]
+    sampling = dict(num_samples=rows // len(prompts), max_tokens=args.engine_tokens, temperature=1.0, seed=0)
+    rates, first_call, peak = {}, None, None
+    with common.autocast_ctx(device):
+        for compiled in (False, True):
+            engine = Engine(model, tokenizer, compiled=compiled)
+            _, first, _ = measure(device, lambda: engine.generate(prompts, **sampling))
+            results, seconds, peak = measure(device, lambda: engine.generate(prompts, **sampling))
+            rates[compiled] = sum(len(c.tokens) for group in results for c in group) / seconds
+            first_call = first - seconds
+    model.train()
+    return dict(check="decode", shape=f"{len(prompts) * sampling['num_samples']} rows x {args.engine_tokens} tokens",
+                speed=f"eager {rates[False]:,.0f}, compiled {rates[True]:,.0f} tok/s (x{rates[True] / rates[False]:.2f})",
+                seconds=first_call, peak=peak, plan=None)
+
+
 def check_rl(args, device, ckpt, home):
     """rl.main for one step of the preset at --rl-prompts prompts; rollout and learner seconds from its step line."""
     argv = ["--preset", args.preset, "--ckpt", str(ckpt), "--out", str(home / "rl"), "--num-steps", "1",
@@ -263,11 +288,13 @@ def main(argv=None):
             run("sft", check_sft, args, device, model, tokenizer)
             run("dpo", check_dpo, args, device, model, tokenizer)
             run("engine", check_engine, args, device, model, tokenizer)
+            for decode_rows in args.decode_rows:
+                run("decode", check_decode, args, device, model, tokenizer, decode_rows)
             del model
             run("rl", check_rl, args, device, home / "checkpoints" / "base", home)
     print_table(rows, gpu_bytes)
     failed = [row["check"] for row in rows if row["status"] != "ok"]
-    if failed or len(rows) < 5:
+    if failed or len(rows) < 5 + len(args.decode_rows):
         print(f"gpu_check: FAILED ({', '.join(failed) or 'checks skipped after the pretraining failure'})")
         sys.exit(1)
     print("gpu_check: every check passed")

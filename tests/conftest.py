@@ -54,7 +54,7 @@ def make_model(tokenizer, seed=0):
     return GPT(config)
 
 
-def scripted_model(tokenizer, transitions, scale=1.0):
+def scripted_model(tokenizer, transitions, scale=1.0, sequence_len=64):
     """
     A real GPT whose next token depends only on the current token: transitions {token: next_token}.
     init_weights zeroes the blocks' output projections, so every block is the identity and the final hidden state
@@ -67,7 +67,8 @@ def scripted_model(tokenizer, transitions, scale=1.0):
     from model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(sequence_len=64, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64))
+    model = GPT(GPTConfig(sequence_len=sequence_len, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2,
+                          n_embd=64))
     model.init_weights()
     with torch.no_grad():
         model.wte.weight.zero_()

@@ -389,7 +389,9 @@ def test_verifier_error_dropped_from_pairs(tokenizer):
 
 def test_loss_kind_paper_defaults():
     def resolved(loss_type, **flags):
-        args = argparse.Namespace(loss_type=loss_type, **{"beta": None, "gamma": None, **flags})
+        args = argparse.Namespace(loss_type=loss_type, **{"beta": None, "gamma": None, "desirable_weight": None,
+                                                          "undesirable_weight": None, "sft_weight": None,
+                                                          "label_smoothing": 0.0, "live_reference": False, **flags})
         dpo.resolve_loss_defaults(args)
         return args.beta, args.gamma
 

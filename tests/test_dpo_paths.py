@@ -136,7 +136,8 @@ def test_ranks_sample_with_their_own_seeds(tokenizer, monkeypatch):
     monkeypatch.setattr(dpo, "Engine", RecordingEngine)
     model = make_model(tokenizer).eval()
     args = argparse.Namespace(pairs="self-generated", task="synthetic", train_pairs=12, eval_pairs=4, samples=4,
-                              max_new_tokens=8, temperature=1.0, seed=0, decontaminate=False, preset="tiny")
+                              max_new_tokens=8, temperature=1.0, seed=0, decontaminate=False, preset="tiny",
+                              loss_type="sigmoid")
     for rank in (0, 1):
         monkeypatch.setattr(common, "get_dist_info", lambda rank=rank: (True, rank, rank, 2))
         samples.append([])

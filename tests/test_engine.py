@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import scripted_model
-from engine import Engine, assistant_content, calculator, sampling_logprobs
+from engine import Engine, assistant_content, calculator, sample_tokens, sampling_logprobs
 from model import GPT, GPTConfig
 from tokenizer import Tokenizer
 
@@ -30,6 +30,15 @@ def model(tokenizer):
     torch.manual_seed(0)
     config = GPTConfig(sequence_len=64, vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
     return GPT(config).eval()
+
+
+@pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def compiled(request):
+    """
+    Every engine test runs on both decode paths: the eager reference and the compiled step (slow: each new cache
+    shape costs an inductor compile, ~10 s on an idle CPU core).
+    """
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +95,44 @@ def test_sampling_logprobs_batched_and_validated():
 
 
 # -----------------------------------------------------------------------------
+# sample_tokens: the engine's sampler
+
+
+def chi_square_critical(df, z=3.09):
+    """The chi-square quantile of df degrees of freedom at normal quantile z (3.09: p = 0.001), by Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, None, None), (1.3, 3, None),
+                                                       (1.0, None, 0.75), (0.8, 4, 0.9)])
+def test_sample_tokens_draws_the_target_distribution(temperature, top_k, top_p):
+    # 200,000 draws from sampling_logprobs's distribution over 8 tokens, chi-square against it at p = 0.001. Broken
+    # once (the exclusive running sum c_i - p_i as the CDF: each token's interval shifted to its neighbour) and this
+    # failed: chi-square 2e6 to 9e6, or draws outside the top-k / nucleus.
+    logits = torch.tensor([2.0, -1.0, 0.5, 1.5, 0.0, -3.0, 1.0, 0.3])
+    logprobs = sampling_logprobs(logits, temperature, top_k, top_p)
+    n = 200_000
+    generator = torch.Generator().manual_seed(0)
+    tokens = sample_tokens(logprobs.expand(n, -1), 1 - torch.rand(n, generator=generator))
+    counts = torch.bincount(tokens, minlength=logits.numel()).double()
+    expected = n * logprobs.double().exp()
+    kept = expected > 0
+    assert counts[~kept].sum() == 0  # never a token outside the top-k / nucleus
+    chi2 = ((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum().item()
+    assert chi2 < chi_square_critical(int(kept.sum()) - 1), chi2
+
+
+def test_sample_tokens_is_deterministic_and_handles_the_ends():
+    logprobs = sampling_logprobs(torch.tensor([[0.0, 1.0, 2.0, -1.0]] * 5), top_k=2)  # tokens 1 and 2 kept
+    first = sample_tokens(logprobs, 1 - torch.rand(5, generator=torch.Generator().manual_seed(3)))
+    again = sample_tokens(logprobs, 1 - torch.rand(5, generator=torch.Generator().manual_seed(3)))
+    assert first.tolist() == again.tolist()
+    # u = 1 is the last kept token, not a removed one after it (broken once with searchsorted's right=True: token 3);
+    # the smallest u is the first kept token
+    assert sample_tokens(logprobs[:2], torch.tensor([1.0, 2.0 ** -24])).tolist() == [2, 1]
+
+
+# -----------------------------------------------------------------------------
 # Calculator
 
 
@@ -130,14 +177,14 @@ def naive_greedy(model, prompt, max_tokens, stop_ids):
     return ids[len(prompt):]
 
 
-def test_greedy_equals_naive_recompute(model, tokenizer, prompts):
+def test_greedy_equals_naive_recompute(model, tokenizer, prompts, compiled):
     # So that some rows stop while others go on decoding, <|assistant_end|> gets 1.1x the lm_head row of the 4th
     # greedy token of prompt 0: it outscores that token wherever that token would have won.
     stopping = copy.deepcopy(model)
     fourth = naive_greedy(model, prompts[0], 4, stop_ids=())[-1]
     with torch.no_grad():
         stopping.lm_head.weight[tokenizer.token_id("<|assistant_end|>")] = 1.1 * model.lm_head.weight[fourth]
-    engine = Engine(stopping, tokenizer)
+    engine = Engine(stopping, tokenizer, compiled=compiled)
     results = engine.generate(prompts, num_samples=2, max_tokens=16, temperature=0)
     assert [len(samples) for samples in results] == [2, 2, 2]
     for prompt, samples in zip(prompts, results):
@@ -153,8 +200,8 @@ def test_greedy_equals_naive_recompute(model, tokenizer, prompts):
 
 @pytest.mark.parametrize("temperature, top_k, top_p",
                          [(0.7, None, None), (1.0, 5, None), (1.0, None, 0.9), (0.8, 5, 0.9)])
-def test_logprobs_equal_rescored_full_forward(model, tokenizer, prompts, temperature, top_k, top_p):
-    engine = Engine(model, tokenizer)
+def test_logprobs_equal_rescored_full_forward(model, tokenizer, prompts, temperature, top_k, top_p, compiled):
+    engine = Engine(model, tokenizer, compiled=compiled)
     results = engine.generate(prompts, num_samples=3, max_tokens=12, temperature=temperature, top_k=top_k,
                               top_p=top_p, seed=0)
     for prompt, samples in zip(prompts, results):
@@ -168,8 +215,29 @@ def test_logprobs_equal_rescored_full_forward(model, tokenizer, prompts, tempera
                                        atol=1e-5, rtol=0)
 
 
-def test_seed_makes_sampling_deterministic(model, tokenizer, prompts):
-    engine = Engine(model, tokenizer)
+@pytest.mark.slow
+def test_compiled_keeps_its_cache_across_calls_and_matches_eager(model, tokenizer, prompts):
+    # The compiled path's cache outlives a call; the next call of the same shape (rows and length rounded up) reuses
+    # its storage, and what the previous call left in it must not leak in. Broken once (load() did not set each row's
+    # first slot): the second call's shorter prompt attended to its padding slots, holding the first call's keys, and
+    # its tokens differed from eager's.
+    eager, compiled = Engine(model, tokenizer, compiled=False), Engine(model, tokenizer, compiled=True)
+    calls = [([prompts[1]], 4, 12, 0.0), ([prompts[0], prompts[2]], 2, 20, 0.0), ([prompts[2], prompts[0]], 2, 20, 1.0),
+             (prompts, 3, 8, 1.0)]  # the last: 9 rows, a new shape
+    storages = []
+    for batch, num_samples, max_tokens, temperature in calls:
+        args = dict(num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=7)
+        expected, got = eager.generate(batch, **args), compiled.generate(batch, **args)
+        assert [[c.tokens for c in s] for s in got] == [[c.tokens for c in s] for s in expected]
+        for got_samples, expected_samples in zip(got, expected):
+            for g, e in zip(got_samples, expected_samples):
+                torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-5, rtol=0)
+        storages.append(compiled._static_cache.keys[0].data_ptr())
+    assert storages[0] == storages[1] == storages[2] != storages[3]
+
+
+def test_seed_makes_sampling_deterministic(model, tokenizer, prompts, compiled):
+    engine = Engine(model, tokenizer, compiled=compiled)
 
     def tokens(seed):
         results = engine.generate(prompts, num_samples=4, max_tokens=10, temperature=1.0, seed=seed)
@@ -181,15 +249,15 @@ def test_seed_makes_sampling_deterministic(model, tokenizer, prompts):
     assert all(len({tuple(t) for t in samples}) > 1 for samples in first)  # a prompt's rows sample independently
 
 
-def test_stream_yields_the_generated_tokens(model, tokenizer, prompts):
-    engine = Engine(model, tokenizer)
+def test_stream_yields_the_generated_tokens(model, tokenizer, prompts, compiled):
+    engine = Engine(model, tokenizer, compiled=compiled)
     (completion,), = engine.generate([prompts[1]], max_tokens=9, temperature=0.9, top_k=20, seed=5)
     streamed = list(engine.generate_stream(prompts[1], max_tokens=9, temperature=0.9, top_k=20, seed=5))
     assert streamed == completion.tokens
 
 
-def test_generate_rejects_bad_arguments(model, tokenizer):
-    engine = Engine(model, tokenizer)
+def test_generate_rejects_bad_arguments(model, tokenizer, compiled):
+    engine = Engine(model, tokenizer, compiled=compiled)
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[tokenizer.bos_id], []])
     with pytest.raises(ValueError, match="max_tokens"):
@@ -202,7 +270,7 @@ def test_generate_rejects_bad_arguments(model, tokenizer):
 # Calculator tool use and finish reasons, end to end, with a scripted model
 
 
-def test_calculator_call_is_evaluated_and_forced(tokenizer):
+def test_calculator_call_is_evaluated_and_forced(tokenizer, compiled):
     """A scripted real GPT (conftest.scripted_model: greedy next token = f(current token)) writes a calculator call;
     the engine must evaluate it, force the output with mask 0, and let the model finish after it."""
     t = tokenizer.token_id
@@ -214,7 +282,7 @@ def test_calculator_call_is_evaluated_and_forced(tokenizer):
                    t("<|output_end|>"): t("<|assistant_end|>"),  # after the forced output, stop
                    hello: t("<|assistant_end|>"),  # stops at once
                    cat: cat}  # never stops
-    engine = Engine(scripted_model(tokenizer, transitions), tokenizer)
+    engine = Engine(scripted_model(tokenizer, transitions), tokenizer, compiled=compiled)
     tool_prompt = tokenizer.render_for_completion({"messages": [{"role": "user", "content": "what is 2+3*4?"}]})
     prompts = [tool_prompt, [tokenizer.bos_id, hello], [tokenizer.bos_id, cat]]
     tool, stop, length = engine.generate(prompts, num_samples=2, max_tokens=20, temperature=0)

@@ -10,7 +10,8 @@ import gpu_check  # noqa: E402
 import sft  # noqa: E402
 
 SCALED_DOWN = ["--device", "cpu", "--depth", "2", "--vocab-size", "512", "--seq-len", "64", "--steps", "4",
-               "--engine-rows", "8", "--engine-tokens", "8", "--rl-prompts", "2", "--rl-max-tokens", "8"]
+               "--engine-rows", "8", "--engine-tokens", "8", "--decode-rows", "2", "--rl-prompts", "2",
+               "--rl-max-tokens", "8"]
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def test_gpu_check_scaled_down_runs_every_stage(isolated_env, capsys):
     gpu_check.main(SCALED_DOWN)
     out = capsys.readouterr().out
     table = out[out.index("check    shape"):]
-    for check in ("pretrain", "sft", "dpo", "engine", "rl"):
+    for check in ("pretrain", "sft", "dpo", "engine", "decode", "rl"):
         line = next(line for line in table.splitlines() if line.startswith(check))
         assert line.rstrip().endswith("ok"), line
     assert "depth 2, 1 x 64" in table and "KV float32" in table and "rollout" in table and "learner" in table

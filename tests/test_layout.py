@@ -2,7 +2,8 @@
 The layering of the modules from the ground up, read from their imports (parsed with ast, imports inside functions
 included):
 
-    shared modules   common, model, tokenizer, tasks, engine   import only each other
+    shared modules   common, model, tokenizer, tasks, engine,  import only each other
+                     judge
     report           report.py                                  imports only shared modules
     libraries        eval.py                                    imports shared modules and report
                                                                 (its CLI re-renders the card)
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = {"common", "model", "tokenizer", "tasks", "engine"}
+SHARED = {"common", "model", "tokenizer", "tasks", "engine", "judge"}
 STAGES = {"pretrain", "sft", "dpo", "rl", "ppo", "rm", "merge", "serve", "distill"}
 ALLOWED = {  # layer -> the project modules a module of that layer may import
     **{name: SHARED for name in SHARED},

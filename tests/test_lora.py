@@ -1,7 +1,8 @@
 """
 LoRA (model.LoRA): exactly the base at initialisation and when switched off, merged weights equal to the adapted
 model, gradients only in the adapters, flags refused without --lora-rank, and an SFT run with adapters that saves a
-loadable merged checkpoint and resumes bit-exactly. DPO's reference with LoRA: tests/test_dpo_paths.py.
+loadable merged checkpoint and resumes bit-exactly; DPO with LoRA takes its reference from the same model with the
+adapters off.
 """
 
 import pytest
@@ -121,9 +122,11 @@ def test_dpo_with_lora_reference_is_the_base_model(tokenizer, tmp_path, monkeypa
     precomputed, real_reference_logps = [], dpo.reference_logps
     monkeypatch.setattr(dpo, "reference_logps", lambda model, pairs, *a: precomputed.append(len(pairs))
                         or real_reference_logps(model, pairs, *a))
-    dpo.main(DPO_ARGS + ["--ckpt", str(tmp_path / "sft"), "--out", str(tmp_path / "dpo"), "--lora-rank", "2",
-                         "--lora-lr", "1e-2", "--save-every", "0"])
-    assert precomputed == [16]  # only the held-out pairs' (the adapters are still 0 then), never the training pairs'
+    argv = [a for a in DPO_ARGS if a not in ("--lr-frac", "0.3")]  # --lr-frac is full fine-tuning's
+    dpo.main(argv + ["--ckpt", str(tmp_path / "sft"), "--out", str(tmp_path / "dpo"), "--lora-rank", "2",
+                     "--lora-lr", "1e-2", "--save-every", "0"])
+    # The held-out pairs once, then each step's 16 pairs live (4 steps); never one pass over the 32 training pairs.
+    assert precomputed == [16] * 5
     assert len(calls) >= 4
     for pairs, ref in calls:
         expected = torch.stack(dpo.pair_logps(sft_model, pairs, tokenizer.bos_id, "cpu")[:2], dim=1).float()

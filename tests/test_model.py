@@ -148,6 +148,19 @@ def test_kv_cache_keys_and_values_share_the_autocast_dtype(model, monkeypatch):
     assert [v.dtype for v in cache.values] == [torch.bfloat16] * CONFIG.n_layer
 
 
+def test_head_is_float32_under_bf16_autocast(model):
+    # The engine's sampling distribution and the learner's log-probs both read GPT.head: under autocast its matmul
+    # must still be float32, or both sit on bf16's grid. Broken once (lm_head(h).float(), a bf16 matmul under
+    # autocast): the logits were off by up to 0.024 and this failed.
+    torch.manual_seed(1)
+    h = 4 * torch.randn(3, 5, CONFIG.n_embd)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.head(h)
+    expected = model_module.LOGIT_SOFTCAP * torch.tanh(h @ model.lm_head.weight.T / model_module.LOGIT_SOFTCAP)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 def test_chunked_loss_equals_whole_in_value_and_gradient(reduction):
     # Broken once (chunked_logits paired each chunk's positions with targets shifted by one): value and gradient differ.

@@ -97,9 +97,9 @@ def test_speedrun_preset_override(tmp_path):
 
 def test_choice_with_two_to_seven_gpus_prints_both_estimates():
     preset, procs, reasons = plan.choose_preset([H100] * 6)
-    assert (preset, procs) == ("full", 4)  # powers of two: 4 of the 6; full on 4 H100s ~7.3 h <= 8 h
+    assert (preset, procs) == ("full", 4)  # powers of two: 4 of the 6; full on 4 H100s ~7.8 h <= 8 h
     assert "full (with gradient accumulation) ~" in reasons[0] and "small (DDP) ~" in reasons[0]
-    assert plan.choose_preset([H100] * 2)[0] == "small"  # full would take ~15 h
+    assert plan.choose_preset([H100] * 2)[0] == "small"  # full would take ~15.5 h
 
 
 def test_speedrun_header_is_the_plan_and_fits():
@@ -113,9 +113,96 @@ def test_speedrun_header_is_the_plan_and_fits():
     assert all(p["fits"] for p in small) and sum(p["minutes"] for p in small) <= 135  # ~2 h on one 24 GB GPU
 
 
+def test_readme_quotes_the_plan():
+    readme = (ROOT / "README.md").read_text()
+    full, small = (sum(p["minutes"] for p in plan.preset_plan(preset)) for preset in ("full", "small"))
+    assert f"~{full / 60:.1f} h (`speedrun.sh`'s table)" in readme and f"~{small / 60:.1f} h on a 4090" in readme
+    assert f"the full preset's {full:.0f} minutes" in readme and f"the small preset ({small:.0f} min)" in readme
+
+
 def test_plan_cli_prints_every_stage(tmp_path):
     env = {**os.environ, "NANOPOST_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "plan.py", "--preset", "small"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300, check=True).stdout
     for stage in plan.STAGES:
         assert f"{stage}: plan on 1x RTX 4090 24GB" in out
+
+
+# -----------------------------------------------------------------------------
+# RL's sampling rounds, the models RL holds besides the policy, and what each phase keeps at once
+
+
+def test_contrast_probability_matches_the_beta_moments():
+    # mu 1/2, kappa 2: p uniform; two completions disagree with probability 1 - E[(1-p)^2] - E[p^2] = 1 - 1/3 - 1/3
+    assert common.contrast_probability(0.5, 2) == pytest.approx(1 / 3)
+    # mu 1/2, G 16: E[p^16] = E[(1-p)^16] = 1/17 -> 15/17
+    assert common.contrast_probability(0.5, 16) == pytest.approx(15 / 17)
+    # GSM8K at depth 20: mu 5%, a = 0.1, b = 1.9: prod_{i<16} (1.9 + i)/(2 + i) = 0.78117, prod (0.1 + i)/(2 + i) =
+    # 0.00051 -> 0.21832; were every prompt solved 5% of the time (no spread) it would be 1 - 0.95^16 = 0.56
+    assert common.contrast_probability(0.05, 16) == pytest.approx(0.2183221, abs=1e-6)
+
+
+def test_expected_sampling_rounds_hand_computed():
+    # q = 1/3 (mu 1/2, G 2), one group needed, one prompt per round, 3 rounds at most:
+    # one rank: 1 + P(R > 1) + P(R > 2) = 1 + 2/3 + 4/9; two ranks: 1 + (1 - 1/9) + (1 - (5/9)^2) = 209/81
+    assert common.expected_sampling_rounds(0.5, 2, 1, 1, 1, max_rounds=3) == pytest.approx(19 / 9)
+    assert common.expected_sampling_rounds(0.5, 2, 1, 1, 2, max_rounds=3) == pytest.approx(209 / 81)
+    # Plenty of contrast (pass@1 1/2, groups of 16: q = 15/17): one round, even waiting for the slowest of 8 ranks
+    assert common.expected_sampling_rounds(0.5, 16, 8, 2, 8) == pytest.approx(1.0, abs=1e-3)
+    # The full preset at 5% pass@1 (q = 0.21832): 8 groups per rank, 16 prompts per round, 8 ranks, 4 rounds at most.
+    # P(R <= 1) = P(Bin(16, q) >= 8) = 0.01208, P(R <= 2) = P(Bin(32, q) >= 8) = 0.39822, P(R <= 3) = 0.85214:
+    # 1 + (1 - 0.01208^8) + (1 - 0.39822^8) + (1 - 0.85214^8) = 3.7213
+    assert common.expected_sampling_rounds(0.05, 16, 8, 2, 8) == pytest.approx(3.72133, abs=1e-4)
+    # One rank alone waits less than the slowest of eight
+    assert common.expected_sampling_rounds(0.05, 16, 8, 2, 1) < 3.0
+
+
+def test_rl_models_bytes_hand_computed():
+    # depth 20, V 65,536, C 1280: P = 560,988,160, V C = 83,886,080, P_blocks = 393,216,000, a head of C + 1 = 1281
+    config = GPTConfig.from_depth(20, 65536, 2048)
+    assert common.rl_models_bytes(config) == {}
+    assert common.rl_models_bytes(config, reference=True, reward_model=True, critic=True) == {
+        "reference": 2_243_952_640,  # 4 P
+        "reward_model": 2_243_957_764,  # 4 (P + 1281)
+        # 4 (P + 1281) + 4 (P - V C + 1281) + 8 (V C + 1281) + 4 P_blocks
+        # = 2,243,957,764 + 1,908,413,444 + 671,098,888 + 1,572,864,000
+        "critic": 6_396_334_096,
+    }
+
+
+def rl_plan(*flags):
+    args = plan.rl.parse_args(["--preset", "full", *flags])
+    return plan.rl.plan(args, plan.preset_config("full"))
+
+
+def test_rl_plan_rounds_and_residency():
+    p = rl_plan()
+    # The rounds of the test above; decoded tokens: 100 steps x 3.7213 rounds x (64 x 16 x 2 rows) x 384 tokens,
+    # plus 3 evaluations of 400 problems x 8 samples x 384 tokens
+    assert p["sampling_rounds"] == pytest.approx(3.72133, abs=1e-4)
+    assert p["decode_tokens"] == pytest.approx(100 * 3.721334630836652 * 2048 * 384 + 3 * 400 * 8 * 384)
+    # Peak: the learner, at 16,384 tokens without DDP buckets: weights 2,243,952,640 + autocast 954,204,160 + grads
+    # 2,243,952,640 + optimizer 2,915,041,280 + activations 16,384 x 1,502,720 + one logits chunk 22 V 4096 =
+    # 38,883,295,232. The rollout holds less: weights, autocast, optimizer, 256 rows x 640 positions of KV cache
+    # (102,400 bytes each: 16,777,216,000) and their sampling logits 16 V 256 = 23,158,849,536; the two never coexist.
+    assert p["micro_batch_tokens"] == 16384
+    assert p["peak_gib"] == pytest.approx(38_883_295_232 / 2**30)
+    # From a reward model: no contrast filter (one round), the reward model and the reference (KL 0.05 by default)
+    rm = rl_plan("--reward", "rm", "--rm-ckpt", "unused")
+    assert rm["sampling_rounds"] == 1.0
+    assert rm["peak_gib"] == pytest.approx((38_883_295_232 + 2_243_957_764 + 2_243_952_640) / 2**30)
+
+
+def test_eval_plan_peak_is_generation_not_training():
+    # Generation holds the most: weights 2,243,952,640 + autocast 954,204,160 + 32 prompts x 8 samples x 768
+    # positions of KV cache (20,132,659,200) + their sampling logits (268,435,456); no gradients, no optimizer
+    p = plan.eval_plan("full", plan.preset_config("full"))
+    assert p["peak_gib"] == pytest.approx(23_599_251_456 / 2**30)
+
+
+def test_headline_names_its_two_unknowns():
+    (mfu, mfu_moves), (rounds, rounds_moves) = plan.unknowns("full")
+    assert mfu == "pretraining MFU 40%" and rounds.startswith("RL 3.7 sampling rounds per step")
+    base = plan.preset_plan("full")[0]["minutes"]
+    assert mfu_moves == [("33%", pytest.approx(base * (0.40 / 0.33 - 1))), ("50%", pytest.approx(-0.2 * base))]
+    assert rounds_moves[0][0] == "1" and rounds_moves[0][1] < 0 and rounds_moves[1][0] == "4 (the cap)"

@@ -285,6 +285,46 @@ def test_ranks_agree_when_only_one_was_signalled(tmp_path):
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [[False, True], [False, True]]
 
 
+def test_ranks_agree_about_every_ten_seconds_not_every_step(monkeypatch):
+    # One gloo rank in this process, steps of 1 s on a fake clock, a signal arriving during step 5. The ranks agree at
+    # the 1st and 2nd call (which measures a step: 1 s, so the next agreement is 10 calls later) and at the 12th,
+    # which is the first to answer True; no collective and no host sync in between.
+    monkeypatch.setattr(common, "_stop_signal", None)
+    monkeypatch.setattr(common, "_checks", dict(common._FRESH_CHECKS))
+    clock = iter(range(100))
+    monkeypatch.setattr(common.time, "monotonic", lambda: float(next(clock)))
+    reduces = []
+    real_all_reduce = torch.distributed.all_reduce
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, **kw: reduces.append(1) or real_all_reduce(t, **kw))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1, store=torch.distributed.HashStore())
+    try:
+        answers = []
+        for call in range(1, 16):
+            if call == 5:
+                common._stop_signal = signal.SIGTERM
+            answers.append(common.preempted("cpu"))
+    finally:
+        torch.distributed.destroy_process_group()
+    assert answers.index(True) + 1 == 12 and len(reduces) == 3
+    assert common.preemption_check_interval(0.6) == 16 and common.preemption_check_interval(30.0) == 1
+
+
+def test_cuda_gets_expandable_segments_unless_the_user_chose(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    common.compute_init("cuda")
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    common.compute_init("cuda")
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    common.compute_init("cpu")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
 # -----------------------------------------------------------------------------
 # Errors a user can read: one line on stderr, no traceback; a bug keeps its traceback
 
