@@ -4,6 +4,7 @@ length-normalised DPO, SimPO), from a hub preference set, the synthetic pairs, o
 generates itself and the task verifier labels.
 
     python dpo.py --preset tiny                     # CPU, minutes: self-generated pairs on synthetic problems
+    python dpo.py --preset tiny --lora-rank 8       # LoRA adapters (model.LoRA) on a frozen SFT model
     torchrun --nproc_per_node=8 dpo.py              # full: UltraFeedback-binarized, ~3 min on 8xH100 (estimate)
     torchrun --nproc_per_node=8 dpo.py --pairs self-generated --task gsm8k   # on-policy GSM8K pairs
     torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 dpo.py   # and node-rank=1
@@ -12,7 +13,8 @@ A pair is two token sequences, chosen and rejected, that share one prompt render
 log pi(y|x) sums the log-probs of the answer's trained tokens only (mask 1: the model's own tokens, not the prompt
 and not forced tool outputs). The reference model is the SFT model: its log-probs are computed once over the
 dataset before the first update, so no second model is kept in memory (--live-reference keeps a frozen copy and runs
-it every step instead).
+it every step instead). With --lora-rank the base weights are the reference: each step scores its pairs with the same
+model, adapters switched off (the SFT model exactly), so there is neither a copy nor a precomputed pass.
 """
 
 import argparse
@@ -34,7 +36,7 @@ from engine import Engine, load_model
 from eval import evaluate_generative
 from judge import JudgedTask, add_judge_flags, judge_from_args
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
-                   check_lora_flags, lora_checkpoint)
+                   check_lora_flags, lora_checkpoint, trainable_params)
 from rollout import preference_pairs
 from tasks import collate, decontamination_index, task_by_name, token_budget_batches
 
@@ -120,13 +122,14 @@ def plan(args, config):
     """
     num_params, flops = common.model_size(config)
     reference = 4 * num_params if getattr(args, "live_reference", False) else 0
+    trainable = trainable_params(config, args)  # with --lora-rank: the adapters' gradients and AdamW state only
     micro = common.fit_batch_tokens("dpo", config, common.HARDWARE[args.preset]["memory"], args.device_batch_tokens,
-                                    2 * config.sequence_len, LOGITS_CHUNK_TOKENS, reference)
+                                    2 * config.sequence_len, LOGITS_CHUNK_TOKENS, reference, trainable=trainable)
     decode = 2 * args.check_problems * (1 + args.check_samples) * args.max_new_tokens
     per_token = flops * 4 / 3 + 2 * config.n_embd * config.vocab_size
     return common.stage_plan("dpo", args.preset, config, micro, LOGITS_CHUNK_TOKENS,
                              args.epochs * PLAN_TOKENS[args.preset], per_token, decode_tokens=decode,
-                             extra_bytes=reference)
+                             extra_bytes=reference, trainable=trainable)
 
 
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta,

@@ -322,7 +322,7 @@ class GPT(nn.Module):
         return tuple(torch.cat(parts).view(B, T, *parts[0].shape[1:]) for parts in zip(*outputs))
 
 
-def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS, ddp=True):
+def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS, ddp=True, trainable=None):
     """
     Analytic peak memory of one training process in bytes (tensors only, what torch.cuda.max_memory_allocated
     counts: the CUDA context and allocator slack come on top), for a micro-batch of N = micro_batch_tokens padded
@@ -344,6 +344,10 @@ def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS
     with C = n_embd, L = n_layer, V = vocab_size, f = n_kv_head / n_head. The activation coefficients were counted
     from the tensors autograd saves in Block.forward under CUDA autocast (rms_norm in fp32, matmuls in bf16);
     flash attention keeps only its output and log-sum-exp, no (T, T) scores.
+    trainable: LoRA's adapter parameters (lora_params) when only they train: their fp32 weights come on top,
+    gradients are 4 trainable (x2 with ddp) and AdamW's two moments 8 trainable instead of the full model's terms;
+    activations are counted as for full fine-tuning (an upper bound: the adapters keep their inputs, the frozen
+    weights need none for their own gradients).
     """
     C, L, V = config.n_embd, config.n_layer, config.vocab_size
     f = config.n_kv_head / config.n_head
@@ -351,10 +355,10 @@ def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS
     params = 2 * V * C + block_params
     N = micro_batch_tokens
     terms = {
-        "weights": 4 * params,
+        "weights": 4 * (params + (trainable or 0)),
         "autocast": 2 * block_params + 2 * V * C,
-        "grads": 4 * params * (2 if ddp else 1),
-        "optimizer": 8 * 2 * V * C + 4 * block_params,
+        "grads": 4 * (params if trainable is None else trainable) * (2 if ddp else 1),
+        "optimizer": 8 * 2 * V * C + 4 * block_params if trainable is None else 8 * trainable,
         "activations": N * (L * (48 + 10 * f) + 14) * C,
         "logits": 22 * V * (N if logits_chunk is None else min(N, logits_chunk)),
     }
@@ -485,6 +489,21 @@ def lora_checkpoint(model, lora, meta, extra=None):
         return dict(model=model, meta=meta, extra=extra)
     return dict(model=lora.merged(model), meta={**meta, "lora": lora.meta()},
                 extra={**(extra or {}), "lora": lora.state_dict()})
+
+
+def lora_params(config, rank, targets=LORA_TARGETS):
+    """The adapter parameters of LoRA(rank, targets) on a GPT of this config: r (in + out) per adapted linear per block."""
+    C, kv = config.n_embd, config.n_kv_head * (config.n_embd // config.n_head)
+    sizes = {"attn.c_q": C + C, "attn.c_k": C + kv, "attn.c_v": C + kv, "attn.c_proj": C + C, "mlp.c_fc": C + 4 * C,
+             "mlp.c_proj": 4 * C + C}
+    return config.n_layer * rank * sum(sizes[target] for target in targets)
+
+
+def trainable_params(config, args):
+    """For a stage's plan(): the parameters --lora-rank/--lora-targets train (lora_params), or None (all of them)."""
+    if getattr(args, "lora_rank", None) is None:
+        return None
+    return lora_params(config, args.lora_rank, args.lora_targets.split(","))
 
 
 def attach_lora(model, args):

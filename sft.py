@@ -2,6 +2,7 @@
 Supervised fine-tuning: teach the base model the chat format, to answer and to stop.
 
     python sft.py --preset tiny                     # CPU, minutes: synthetic conversations with calculator calls
+    python sft.py --preset tiny --lora-rank 8       # LoRA adapters (model.LoRA) on a frozen base model
     torchrun --nproc_per_node=8 sft.py              # full: SmolTalk + GSM8K train, ~6 min on 8xH100 (estimate)
     torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 sft.py   # node-rank=1 on the other
 
@@ -58,7 +59,7 @@ from engine import Engine, load_model
 from eval import PRESETS as EVAL_PRESETS
 from eval import completion_text, evaluate_bpb, evaluate_generative, validation_batches
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
-                   check_lora_flags, lora_checkpoint)
+                   check_lora_flags, lora_checkpoint, trainable_params)
 from rollout import mix_seed, preference_pairs
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
                    decontamination_index, extract_final_answer, prepare_rows, pretraining_batches, pretraining_texts,
@@ -95,11 +96,12 @@ def plan(args, config):
     largest micro-batch that fits the planned GPU, chunked logits.
     """
     flops = common.model_size(config)[1] + 2 * config.n_embd * config.vocab_size
+    trainable = trainable_params(config, args)  # with --lora-rank: the adapters' gradients and AdamW state only
     micro = common.fit_batch_tokens("sft", config, common.HARDWARE[args.preset]["memory"], args.device_batch_tokens,
-                                    config.sequence_len, LOGITS_CHUNK_TOKENS)
+                                    config.sequence_len, LOGITS_CHUNK_TOKENS, trainable=trainable)
     decode = args.check_problems * (2 + args.check_samples) * args.max_new_tokens
     return common.stage_plan("sft", args.preset, config, micro, LOGITS_CHUNK_TOKENS, PLAN_TOKENS[args.preset], flops,
-                             decode_tokens=decode)
+                             decode_tokens=decode, trainable=trainable)
 
 
 def sft_mixture(preset, split, rows, seed=0):

@@ -1,8 +1,8 @@
 """
 LoRA (model.LoRA): exactly the base at initialisation and when switched off, merged weights equal to the adapted
 model, gradients only in the adapters, flags refused without --lora-rank, and an SFT run with adapters that saves a
-loadable merged checkpoint and resumes bit-exactly; DPO with LoRA takes its reference from the same model with the
-adapters off.
+loadable merged checkpoint and resumes bit-exactly; DPO and RL with LoRA take their reference from the same model with
+the adapters off; the plan counts the adapters' gradients and optimizer state only.
 """
 
 import pytest
@@ -10,10 +10,12 @@ import torch
 
 import common
 import dpo
+import rl
+import rollout
 import sft
 from conftest import make_model, make_tokenizer
 from engine import load_model
-from model import LORA_TARGETS, LoRA
+from model import LORA_TARGETS, LoRA, lora_params, training_memory
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +135,43 @@ def test_dpo_with_lora_reference_is_the_base_model(tokenizer, tmp_path, monkeypa
         torch.testing.assert_close(ref, expected, atol=1e-5, rtol=0)
     _, meta, extra = common.load_checkpoint(tmp_path / "dpo")
     assert meta["lora"]["rank"] == 2 and any(b.abs().sum() > 0 for k, b in extra["lora"].items() if k[0] == "b")
+
+
+def test_rl_with_lora_reference_is_the_base_model(tokenizer, tmp_path, monkeypatch):
+    # --kl-coef with --lora-rank: every reference log-prob is the start model's own, also after the adapters moved.
+    from test_resume_exact import RL_ARGS
+    from test_rl import LengthParity
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: LengthParity(split, size=64))
+    start = make_model(tokenizer).eval()
+    common.save_checkpoint(tmp_path / "sft", 1, start, {"stage": "sft"}, tokenizer=tokenizer)
+    pairs, real = [], rl.token_logprobs
+
+    def recording(model, inputs, targets, sampling):
+        out = real(model, inputs, targets, sampling)
+        if not torch.is_grad_enabled():  # at one epoch of one minibatch the only no-grad pass is the reference's
+            pairs.append((out[0], real(start, inputs, targets, sampling)[0], model.lora.b[0].abs().sum().item()))
+        return out
+
+    monkeypatch.setattr(rl, "token_logprobs", recording)
+    rl.main(RL_ARGS + ["--ckpt", str(tmp_path / "sft"), "--out", str(tmp_path / "rl"), "--lora-rank", "2",
+                       "--lora-lr", "1e-2", "--kl-coef", "0.1", "--save-every", "0", "--epochs", "1",
+                       "--minibatches", "1"])
+    assert len(pairs) >= 3 and pairs[-1][2] > 0  # the last steps' references were scored with moved adapters
+    for reference, base, _ in pairs:
+        torch.testing.assert_close(reference, base, atol=1e-5, rtol=0)
+    merged, _, meta = load_model(tmp_path / "rl", "cpu")
+    assert meta["lora"]["rank"] == 2
+    assert torch.equal(merged.wte.weight, start.wte.weight)  # frozen outside the adapters
+
+
+def test_plan_counts_the_adapters_gradients_and_optimizer_state(tokenizer):
+    model = make_model(tokenizer)
+    config = model.config
+    for rank, targets in ((1, LORA_TARGETS), (8, ("attn.c_q", "attn.c_v"))):
+        assert lora_params(config, rank, targets) == LoRA(make_model(tokenizer), rank, targets=targets).num_trainable()
+    full, adapters = training_memory(config, 1024), training_memory(config, 1024, trainable=lora_params(config, 8))
+    trainable = lora_params(config, 8)
+    assert adapters["grads"] == 2 * 4 * trainable and adapters["optimizer"] == 8 * trainable
+    assert adapters["weights"] == full["weights"] + 4 * trainable
+    assert adapters["activations"] == full["activations"] and adapters["total"] < full["total"]

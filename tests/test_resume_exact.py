@@ -101,16 +101,22 @@ RL_ARGS = ["--preset", "tiny", "--device", "cpu", "--prompts-per-step", "4", "--
            "--save-every", "1", "--eval-every", "2", "--epochs", "2", "--minibatches", "2"]
 
 
-def test_rl_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("flags", [[], ["--lora-rank", "2", "--lora-lr", "1e-2", "--kl-coef", "0.1"]],
+                         ids=["full-finetune", "lora"])
+def test_rl_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys, flags):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: LengthParity(split, size=64))
     ckpt = tmp_path / "dpo"
     common.save_checkpoint(ckpt, 0, make_model(tokenizer).eval(), {"stage": "dpo"}, tokenizer=tokenizer)
-    argv = RL_ARGS + ["--ckpt", str(ckpt)]
+    argv = RL_ARGS + flags + ["--ckpt", str(ckpt)]
     rl.main(argv + ["--out", str(tmp_path / "a")])
     run_killed_and_resumed(rl.main, argv + ["--out", str(tmp_path / "b")], tmp_path / "b", 2, monkeypatch, rl)
     assert "resuming at step 1" in capsys.readouterr().out
     assert_same_run(tmp_path / "a", tmp_path / "b")
+    if flags:  # the adapters are checkpointed too, and resumed exactly
+        extra_a, extra_b = common.load_checkpoint(tmp_path / "a")[2], common.load_checkpoint(tmp_path / "b")[2]
+        assert extra_a["lora"].keys() == extra_b["lora"].keys()
+        assert all(torch.equal(extra_a["lora"][k], extra_b["lora"][k]) for k in extra_a["lora"])
 
 
 DISTILL_ARGS = ["--preset", "tiny", "--device", "cpu", "--train-size", "64", "--prompts-per-step", "4",
