@@ -5,9 +5,10 @@ that falls back past a damaged one, the run directory and the report.
 
 Run directory ($NANOPOST_HOME, default ~/.cache/nanopost):
     tokenizer/                  the trained tokenizer (tokenizer.py)
-    checkpoints/<stage>/        base, sft, dpo, rl: one folder per saved step plus a `latest` pointer
+    data/                       hub datasets in the hub's layout (`python tasks.py prepare`)
+    checkpoints/<stage>/        base, sft, dpo, rl, rm, rlhf, ppo, ...: one folder per saved step plus a `latest` pointer
     report.jsonl                one JSON line of final metrics per stage run (append_report)
-    report.md                   the report card rendered by eval.py
+    report.md                   the report card rendered by report.py
 """
 
 import errno
@@ -120,7 +121,7 @@ def get_base_dir():
 
 
 def checkpoint_dir(stage):
-    """Default checkpoint folder of a stage: base, sft, dpo or rl."""
+    """Default checkpoint folder of a stage (base, sft, dpo, rl, ...)."""
     return get_base_dir() / "checkpoints" / stage
 
 

@@ -5,9 +5,9 @@ generates itself and the task verifier labels.
 
     python dpo.py --preset tiny                     # CPU, minutes: self-generated pairs on synthetic problems
     python dpo.py --preset tiny --lora-rank 8       # LoRA adapters (model.LoRA) on a frozen SFT model
-    torchrun --nproc_per_node=8 dpo.py              # full: UltraFeedback-binarized, ~3 min on 8xH100 (estimate)
-    torchrun --nproc_per_node=8 dpo.py --pairs self-generated --task gsm8k   # on-policy GSM8K pairs
-    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 dpo.py   # and node-rank=1
+    torchrun --nproc_per_node=8 dpo.py --preset full   # full: UltraFeedback-binarized, ~3 min on 8xH100 (estimate)
+    torchrun --nproc_per_node=8 dpo.py --preset full --pairs self-generated --task gsm8k   # on-policy GSM8K pairs
+    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 dpo.py --preset full   # and node-rank=1
 
 A pair is two token sequences, chosen and rejected, that share one prompt rendering; the sequence log-probability
 log pi(y|x) sums the log-probs of the answer's trained tokens only (mask 1: the model's own tokens, not the prompt
@@ -86,7 +86,7 @@ def resolve_loss_defaults(args):
 # full (8xH100, plan(): ~3 min for a depth-20 model): one epoch of UltraFeedback-binarized train_prefs (61k pairs, ~600
 # tokens a side): a reference pass (forward only) plus a policy pass over ~75M tokens; micro-batches of 32,768 padded
 # positions (8 pairs of 2,048-token sides at most) need ~61 GiB per GPU with chunked logits (model.training_memory);
-# tiny: 8,192 = 16 pairs of the 256-token context, the old 16-pair micro-batch at its longest.
+# tiny: 8,192 = 16 pairs of the 256-token context at their longest.
 # --pairs self-generated --task gsm8k instead samples 8 answers to each of the 7.5k GSM8K train problems (the
 # generation dominates: ~10 min) and keeps one correct/incorrect pair per problem that has both.
 PRESETS = {

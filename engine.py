@@ -540,7 +540,7 @@ def load_model(ckpt_dir, device, step=None):
     The model is a GPT, or a ScalarHeadModel (GPT trunk + scalar head) when meta["reward_model"] is set (rm.py).
     """
     # Imported here, so that importing engine.py needs only torch. It lives here, not in common.py, because
-    # tokenizer.py's CLI imports common: common.py imports no other module of the project (tests/test_layout.py).
+    # tokenizer.py's CLI imports common, and common.py imports only model (inside the functions that plan memory).
     from common import load_checkpoint, resolve_checkpoint
     from model import GPT, GPTConfig, ScalarHeadModel
     from tokenizer import Tokenizer

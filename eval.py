@@ -68,7 +68,7 @@ MC_STYLE = {"arc-easy": "continuation", "arc-challenge": "continuation", "mmlu":
 MC_SHOTS = {"arc-easy": 0, "arc-challenge": 0, "mmlu": 5}
 
 PRESETS = {
-    # tiny: the synthetic world only (offline, seconds on a CPU). Hub tasks need --preset full.
+    # tiny: the synthetic world only (offline, seconds on a CPU). The hub tasks are the small and full presets'.
     # bpb_tokens: the validation tokens of pretrain.py's presets, so the base checkpoint's bpb is its final val_bpb.
     "tiny": {"base_tasks": "bpb", "chat_tasks": "bpb,synthetic", "max_problems": 200, "max_tokens": 96,
              "bpb_tokens": 16384, "batch_size": 32},

@@ -58,7 +58,7 @@ PRESETS = {
                  target_param_data_ratio=15.0, num_iterations=None, eval_every=250, eval_tokens=10 * 524288,
                  sample_every=2000, save_every=2000, log_every=1, decontaminate=True),
 }
-# Defaults shared by both presets.
+# Defaults shared by every preset.
 DEFAULTS = dict(target_param_data_ratio=20.0, matrix_lr=MATRIX_LR, embedding_lr=EMBEDDING_LR,
                 unembedding_lr=UNEMBEDDING_LR, weight_decay=0.0, warmup_frac=0.0, warmdown_frac=0.2)
 

@@ -899,7 +899,7 @@ def add_flags(parser):
     add("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
     add("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
     add("--device-batch-tokens", type=int, help="padded positions (sequences x longest) per forward/backward; at "
-        "least the longest prompt + --max-tokens (tiny 8,192: the old 64 sequences of <= 128 tokens; full 16,384: "
+        "least the longest prompt + --max-tokens (tiny 8,192: 64 sequences of <= 128 tokens; full 16,384: "
         "16 sequences of a ~500-token prompt and a 512-token answer)")
     add("--lr-frac", type=float, help="learning rates as a fraction of pretraining's (Muon + AdamW)")
     add("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
@@ -1013,7 +1013,8 @@ class Rollouts:
     """
     Each step's scored groups (next_groups), synchronous or from the overlapped RolloutWorker (--async), with
     PTGS temperatures (--ptgs), the reward model's scores (--reward rm) and the per-source accounting.
-    worker_ckpt: the checkpoint the worker process loads its tokenizer and model from (weights come per job).
+    worker_ckpt: the checkpoint the worker process builds its tokenizer and model from: the start checkpoint, or
+    --out on resume (its weights are replaced by each job's).
     adv: (scale, baseline) of the group advantages the per-source loss mass is counted with.
     """
 

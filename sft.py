@@ -3,8 +3,8 @@ Supervised fine-tuning: teach the base model the chat format, to answer and to s
 
     python sft.py --preset tiny                     # CPU, minutes: synthetic conversations with calculator calls
     python sft.py --preset tiny --lora-rank 8       # LoRA adapters (model.LoRA) on a frozen base model
-    torchrun --nproc_per_node=8 sft.py              # full: SmolTalk + GSM8K train, ~6 min on 8xH100 (estimate)
-    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 sft.py   # node-rank=1 on the other
+    torchrun --nproc_per_node=8 sft.py --preset full   # full: SmolTalk + GSM8K train, ~6 min on 8xH100 (estimate)
+    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 sft.py --preset full   # node-rank=1 on the other
 
 Each conversation is rendered with Tokenizer.render_conversation; the loss is the cross-entropy of the tokens
 whose mask is 1 (assistant text, tool calls, <|assistant_end|>), nothing else. Conversations are batched whole and
@@ -70,7 +70,7 @@ from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, S
 # conversations, ~200M tokens with padding) plus two of GSM8K train (15k); about 6 * N * tokens = 7e17 FLOPs at an
 # assumed 25% MFU, plus the final generation check. Micro-batches of 32,768 padded positions (16 rows of
 # 2,048) need ~61 GiB per GPU with chunked logits (model.training_memory). tiny: 4,096 = 16 rows of the 256-token
-# context, the old 16-row micro-batch at its longest.
+# context at their longest.
 PRESETS = {
     "tiny": dict(train_rows=4000, batch_size=32, device_batch_tokens=4096, lr_frac=0.5, eval_every=25, eval_rows=256,
                  check_problems=256, check_samples=4, max_new_tokens=64, save_every=25, replay_frac=0.1,

@@ -7,6 +7,9 @@ from a seed: arithmetic questions and small word problems whose worked answers u
 end, like GSM8K, with a final line "#### <answer>". The same generator writes the pretraining documents, so
 a tiny base model has seen the language that SFT, DPO and RL later build on. A problem belongs to the train
 or the test split by a hash of its question text, so the held-out split never leaks into any training data.
+
+    python tasks.py prepare                      # download every hub file the GPU presets read (resumable)
+    python tasks.py prepare --fineweb-shards 4   # only the first 4 FineWeb-Edu files (a quick small run)
 """
 
 import hashlib
@@ -278,7 +281,7 @@ class NgramIndex:
     when its whole normalized text equals an evaluation text shorter than n words (a short question like 'What is
     3 + 4?' is matched exactly: as an n-gram of its own length it would flag every document that says it in
     passing). n-grams are stored as 64-bit hashes: ~8 bytes per evaluation n-gram, and the check of a training
-    text is one hash of each of its words plus a vectorised rolling hash (bench/bench_decontaminate.py: the cost
+    text is one hash of each of its words plus a vectorised rolling hash (bench/decontaminate.py: the cost
     per word of FineWeb-like text). Python's str hash is salted per process: an index is used where it is built.
     """
 

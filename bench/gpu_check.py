@@ -1,5 +1,5 @@
 """
-The acceptance run for one GPU (issue 10): does the preset's every stage run, how fast, and within how much memory?
+The acceptance run for one GPU: does the preset's every stage run, how fast, and within how much memory?
 No hub access: stand-in data (tasks.write_stand_in_data, as `bash speedrun.sh --dry-run`) and a tokenizer trained on
 it, in a temporary $NANOPOST_HOME. A few minutes; prints one table and exits 1 if any check failed or a peak
 exceeded the GPU's memory.

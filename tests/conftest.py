@@ -1,3 +1,13 @@
+"""
+Shared fixtures of the suite. Where a test lives:
+    test_<module>.py            the module of that name (test_rl.py: rl.py; test_gpu_check.py: bench/gpu_check.py)
+    test_<module>_<concern>.py  one concern of it (test_rl_ddp.py, test_dpo_kto_orpo.py, test_sft_rft.py, ...)
+    concerns that cross every stage, one file each: test_checkpoints.py (checksums, damaged checkpoints,
+    preemption), test_resume.py (bit-exact resume of the chat stages), test_errors.py (bad input, exact messages),
+    test_end_to_end.py (runs that assert outcomes), test_memory.py (what the memory model counts), test_layout.py
+    (the import layering), test_gpu.py (only on CUDA).
+"""
+
 import socket
 
 import pytest

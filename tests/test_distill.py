@@ -1,7 +1,7 @@
 """
 On-policy distillation (distill.py): the reverse-KL losses against hand computations, a teacher of another tokenizer
 refused, a student identical to its teacher has zero loss and zero gradient, forced tool output is not trained, a
-shallower teacher runs, and two torchrun ranks end with identical weights. Resume: tests/test_resume_exact.py.
+shallower teacher runs, and two torchrun ranks end with identical weights. Resume: tests/test_resume.py.
 """
 
 import json

@@ -1,5 +1,5 @@
 """
-The budget (issues 10 and 18): the micro-batch that fits a GPU by model.training_memory, checked against
+The budget: the micro-batch that fits a GPU by model.training_memory, checked against
 hand-computed values; the preset speedrun.sh chooses for 0, 1, 2 and 8 stubbed GPUs; speedrun.sh's budget table
 against plan.py; each preset fits its GPU and the full speedrun its 4 hours.
 """

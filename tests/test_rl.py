@@ -469,7 +469,7 @@ def test_zero_contrast_uses_verifier_outcome(tokenizer):
     unfiltered, _ = rollout.sample_groups(engine, AcceptsAnything(), 4, 4, 4, sampling, seed=0, filter_zero_contrast=False,
                                      overlong_buffer=2)
     assert {r for g in unfiltered for r in g["rewards"]} == {1.0, 0.5}
-    # What the filter prevents (the numbers): std scaling blows a 1/64 length penalty up to full size.
+    # What the filter prevents: std scaling blows a 1/64 length penalty up to full size.
     close(rl.group_advantages(torch.tensor([1.0] * 7 + [1 - 1 / 64]), 8), [0.378] * 7 + [-2.6457], atol=1e-3)
 
 

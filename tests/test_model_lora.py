@@ -88,7 +88,7 @@ SFT_ARGS = ["--preset", "tiny", "--device", "cpu", "--train-rows", "48", "--batc
 
 
 def test_sft_with_lora_saves_a_merged_checkpoint_and_resumes_bit_exactly(tokenizer, tmp_path, monkeypatch, capsys):
-    from test_resume_exact import assert_same_run, run_killed_and_resumed
+    from test_resume import assert_same_run, run_killed_and_resumed
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     base = tmp_path / "base"
     start = make_model(tokenizer)
@@ -110,7 +110,7 @@ def test_sft_with_lora_saves_a_merged_checkpoint_and_resumes_bit_exactly(tokeniz
 def test_dpo_with_lora_reference_is_the_base_model(tokenizer, tmp_path, monkeypatch):
     # Every reference log-prob dpo.py uses with --lora-rank (each training micro-batch, the held-out ones) equals the
     # SFT model's own, also after the adapters have moved; no reference copy, no pass over the training pairs.
-    from test_resume_exact import DPO_ARGS
+    from test_resume import DPO_ARGS
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     sft_model = make_model(tokenizer).eval()
     common.save_checkpoint(tmp_path / "sft", 1, sft_model, {"stage": "sft"}, tokenizer=tokenizer)
@@ -139,7 +139,7 @@ def test_dpo_with_lora_reference_is_the_base_model(tokenizer, tmp_path, monkeypa
 
 def test_rl_with_lora_reference_is_the_base_model(tokenizer, tmp_path, monkeypatch):
     # --kl-coef with --lora-rank: every reference log-prob is the start model's own, also after the adapters moved.
-    from test_resume_exact import RL_ARGS
+    from test_resume import RL_ARGS
     from test_rl import LengthParity
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: LengthParity(split, size=64))

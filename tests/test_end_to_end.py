@@ -18,7 +18,7 @@ import sft
 import tasks
 from conftest import make_model, make_tokenizer, scripted_model
 from test_rl import LengthParity
-from test_tool_tokens import tool_model  # noqa: F401 (fixture)
+from test_rollout_tool_tokens import tool_model  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")

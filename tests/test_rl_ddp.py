@@ -70,7 +70,7 @@ DRIVER = """
 import os, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
 import torch
-import rl, rollout, test_ddp_equivalence as t
+import rl, rollout, test_rl_ddp as t
 rank = int(os.environ["RANK"])
 record = {{}}
 t.install({groups!r}, t.SPLIT[rank], record)
