@@ -61,7 +61,7 @@ from engine import Engine, load_model
 from tasks import (LETTERS, MultipleChoice, canonical_number, collate, completion_reward, extract_final_answer,
                    pretraining_batches, pretraining_texts, task_by_name, token_budget_batches)
 
-STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "merge")  # the checkpoints eval.py evaluates
+STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "distill", "merge")  # the checkpoints eval.py evaluates
 GENERATIVE_TASKS = ("synthetic", "gsm8k")
 MC_TASKS = tuple(MultipleChoice.SOURCES)  # arc-easy, arc-challenge, mmlu
 MC_STYLE = {"arc-easy": "continuation", "arc-challenge": "continuation", "mmlu": "letter"}
