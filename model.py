@@ -366,6 +366,7 @@ def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS
     terms["total"] = sum(terms.values())
     return terms
 
+
 # -----------------------------------------------------------------------------
 # LoRA: low-rank adapters on the blocks' linear layers, the base weights frozen (Hu et al. 2021)
 
@@ -383,7 +384,8 @@ class LoRA(nn.Module):
     sets the update's scale (default alpha = r: scale 1). The adapters sit in forward hooks of the unchanged
     nn.Linear modules, so the GPT's own parameter names stay those of every checkpoint, and `model.lora` (this
     module, registered on the model) holds A and B: model.parameters() yields them (gradient clipping, all-reduce)
-    and .to() moves them. Switched off (`with lora.disabled():`) the model is the base exactly: DPO's reference.
+    and .to() moves them. Switched off (`with lora.disabled():`) the model is the base exactly: DPO's and RL's
+    reference.
     merged() is a plain GPT with W + (alpha / r) B A, the checkpoint every other script loads unchanged.
     """
 
@@ -492,7 +494,7 @@ def lora_checkpoint(model, lora, meta, extra=None):
 
 
 def lora_params(config, rank, targets=LORA_TARGETS):
-    """The adapter parameters of LoRA(rank, targets) on a GPT of this config: r (in + out) per adapted linear per block."""
+    """The adapter parameters of LoRA(rank, targets) on a GPT of this config: r (in + out) per adapted linear."""
     C, kv = config.n_embd, config.n_kv_head * (config.n_embd // config.n_head)
     sizes = {"attn.c_q": C + C, "attn.c_k": C + kv, "attn.c_v": C + kv, "attn.c_proj": C + C, "mlp.c_fc": C + 4 * C,
              "mlp.c_proj": 4 * C + C}
