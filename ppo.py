@@ -31,12 +31,11 @@ from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_c
                     checkpoint_dir, compute_cleanup, compute_init, exit_preempted, kv_cache_bytes, load_checkpoint,
                     preempted, print0, resume_or_finish, run_cli, save_checkpoint, synchronize)
 from engine import Engine, load_model
-from judge import judge_from_args
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from rollout import (PRESETS, Rollouts, add_flags, add_loss_stats, aggregate, all_reduce_gradients, batch_counts,
                      difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches, learner_tally,
                      load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally, reference_sampling,
-                     report_record, row_sampling, score_old, step_metrics, token_logprobs)
+                     report_record, reward_judge, row_sampling, score_old, step_metrics, token_logprobs)
 
 # -----------------------------------------------------------------------------
 # The math: per-token rewards, GAE, the clipped value loss
@@ -167,8 +166,7 @@ def main(argv=None):
     pad_id = tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
     print0(f"model: {model.num_params():,} parameters from {out if resume else ckpt} on {device}, {world_size} rank(s)")
 
-    judge = judge_from_args(args, args.reward == "judge", "use it with --reward judge")
-    train_task, test_task, eval_indices, decontaminated = prepare_prompts(args, world_size, judge)
+    train_task, test_task, eval_indices, decontaminated = prepare_prompts(args, world_size, reward_judge(args))
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
     f = args.critic_lr_frac

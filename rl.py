@@ -94,13 +94,12 @@ from common import (ASSUMED_PASS_RATE, FINISHED, HARDWARE, Logger, add_stage_fla
                     model_size, preempted, print0, print_plan, resume_or_finish, rl_models_bytes, run_cli,
                     save_checkpoint, stage_plan, synchronize)
 from engine import Engine, load_model
-from judge import judge_from_args
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint, trainable_params)
 from rollout import (PRESETS, Rollouts, add_flags, add_loss_stats, aggregate, all_reduce_gradients, batch_counts,
                      difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches, learner_tally,
                      load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally, reference_sampling,
-                     report_record, row_sampling, score_old, step_metrics, token_logprobs)
+                     report_record, reward_judge, row_sampling, score_old, step_metrics, token_logprobs)
 # The objective this stage trains lives in rollout.py, shared with ppo.py (a stage never imports another stage), and
 # is named here as part of rl.py's interface: group_advantages (GRPO / Dr. GRPO / RLOO, applied by
 # rollout.learner_rows), overlong_penalty (DAPO), policy_loss (pg / ppo / gspo / cispo, reduced by aggregate),
@@ -202,8 +201,7 @@ def main(argv=None):
     print0(f"model: {model.num_params():,} parameters from {out if resume else ckpt} on {device}, {world_size} rank(s)")
 
     # Data: training prompts (mixture, decontamination) and the held-out problems.
-    judge = judge_from_args(args, args.reward == "judge", "use it with --reward judge")
-    train_task, test_task, eval_indices, decontaminated = prepare_prompts(args, world_size, judge)
+    train_task, test_task, eval_indices, decontaminated = prepare_prompts(args, world_size, reward_judge(args))
     optimizers = lora.optimizers(args.lora_lr) if lora else model.setup_optimizers(
         matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)

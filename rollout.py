@@ -36,7 +36,7 @@ import common
 from common import autocast_ctx, format_eta, get_dist_info, print0, resolve_checkpoint
 from engine import Engine, load_model, sampling_logprobs
 from eval import completion_text, evaluate_generative
-from judge import JudgedTask, add_judge_flags
+from judge import JudgedTask, add_judge_flags, judge_from_args
 from tasks import (PromptMixture, collate, completion_reward, decontamination_index, pad_sequences, prepare_rows,
                    preference_mixture, render_pair, row_texts, task_by_name, token_budget_batches)
 
@@ -963,11 +963,17 @@ def load_reward_model(args, tokenizer, device):
     return reward_model.requires_grad_(False)
 
 
+def reward_judge(args):
+    """rl.py/ppo.py --reward judge: the judge.JudgeVerifier of the --judge-* flags; None without them; ValueError for
+    a judge the run would not use."""
+    return judge_from_args(args, args.reward == "judge", "use it with --reward judge")
+
+
 def prepare_prompts(args, world_size, judge=None):
     """
     The training prompts and the held-out problems of --task: (train_task, test_task, eval_indices, decontaminated
-    {source: prompts dropped}). judge (judge.JudgeVerifier, --reward judge) scores the training rollouts; the held-out
-    problems keep their verifier. With --decontaminate, training prompts that overlap the preset's evaluation sets or
+    {source: prompts dropped}). judge (reward_judge's) scores the training rollouts; the held-out problems keep their
+    verifier. With --decontaminate, training prompts that overlap the preset's evaluation sets or
     the held-out problems evaluated here are dropped. The difficulty filter is a second step (difficulty_prompts):
     it samples with the model, so a --dry-run skips it.
     """
