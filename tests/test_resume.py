@@ -113,8 +113,10 @@ def test_rl_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys, flags)
     run_killed_and_resumed(rl.main, argv + ["--out", str(tmp_path / "b")], tmp_path / "b", 2, monkeypatch, rl)
     assert "resuming at step 1" in capsys.readouterr().out
     assert_same_run(tmp_path / "a", tmp_path / "b")
+    extra_a, extra_b = common.load_checkpoint(tmp_path / "a")[2], common.load_checkpoint(tmp_path / "b")[2]
+    assert extra_a["tokens_sampled"] == extra_b["tokens_sampled"] > 0  # the rollout budget counts on across a resume
+    assert extra_a["history"] == extra_b["history"]
     if flags:  # the adapters are checkpointed too, and resumed exactly
-        extra_a, extra_b = common.load_checkpoint(tmp_path / "a")[2], common.load_checkpoint(tmp_path / "b")[2]
         assert extra_a["lora"].keys() == extra_b["lora"].keys()
         assert all(torch.equal(extra_a["lora"][k], extra_b["lora"][k]) for k in extra_a["lora"])
 
@@ -136,7 +138,9 @@ def test_distill_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys, f
                            distill)
     assert "resuming at step 1" in capsys.readouterr().out
     assert_same_run(tmp_path / "a", tmp_path / "b")
+    extra_a, extra_b = common.load_checkpoint(tmp_path / "a")[2], common.load_checkpoint(tmp_path / "b")[2]
+    assert extra_a["tokens_sampled"] == extra_b["tokens_sampled"] > 0  # the rollout budget counts on across a resume
+    assert extra_a["history"] == extra_b["history"]
     if flags:  # the adapters are checkpointed too, and resumed exactly
-        extra_a, extra_b = common.load_checkpoint(tmp_path / "a")[2], common.load_checkpoint(tmp_path / "b")[2]
         assert extra_a["lora"].keys() == extra_b["lora"].keys()
         assert all(torch.equal(extra_a["lora"][k], extra_b["lora"][k]) for k in extra_a["lora"])
