@@ -791,15 +791,16 @@ ASSUMED_MFU = {"pretrain": 0.40, "post-training": 0.25}
 MEMORY_MARGIN = 0.9
 
 
-def planned_memory(config, micro_batch_tokens, logits_chunk, extra_bytes=0, ddp=True):
+def planned_memory(config, micro_batch_tokens, logits_chunk, extra_bytes=0, ddp=True, trainable=None):
     """Peak bytes per GPU of a training process (model.training_memory; ddp: DistributedDataParallel's gradient
-    buckets too) plus what the stage holds besides."""
+    buckets too; trainable: LoRA's adapter parameters when only they train) plus what the stage holds besides."""
     from model import training_memory
 
-    return training_memory(config, micro_batch_tokens, logits_chunk, ddp)["total"] + extra_bytes
+    return training_memory(config, micro_batch_tokens, logits_chunk, ddp, trainable)["total"] + extra_bytes
 
 
-def fit_batch_tokens(stage, config, gpu_bytes, max_tokens, min_tokens, logits_chunk, extra_bytes=0, ddp=True):
+def fit_batch_tokens(stage, config, gpu_bytes, max_tokens, min_tokens, logits_chunk, extra_bytes=0, ddp=True,
+                     trainable=None):
     """
     The largest micro-batch, in tokens, of max_tokens, max_tokens / 2, max_tokens / 4, ... (and min_tokens itself,
     the smallest one that holds a row) whose planned_memory fits MEMORY_MARGIN * gpu_bytes. UserError naming the
@@ -808,9 +809,9 @@ def fit_batch_tokens(stage, config, gpu_bytes, max_tokens, min_tokens, logits_ch
     usable = MEMORY_MARGIN * gpu_bytes
     candidates = [max_tokens >> k for k in range(64) if max_tokens >> k >= min_tokens]
     for tokens in candidates + ([min_tokens] if candidates[-1:] != [min_tokens] else []):
-        if planned_memory(config, tokens, logits_chunk, extra_bytes, ddp) <= usable:
+        if planned_memory(config, tokens, logits_chunk, extra_bytes, ddp, trainable) <= usable:
             return tokens
-    need = planned_memory(config, min_tokens, logits_chunk, extra_bytes, ddp)
+    need = planned_memory(config, min_tokens, logits_chunk, extra_bytes, ddp, trainable)
     raise UserError(f"{stage} does not fit this GPU: its smallest micro-batch ({min_tokens:,} tokens) needs "
                     f"{need / GIB:.1f} GiB per GPU (model.training_memory), more than {usable / GIB:.1f} GiB "
                     f"({MEMORY_MARGIN:.0%} of {gpu_bytes / GIB:.1f} GiB); use a smaller preset (--preset small), "
@@ -973,16 +974,19 @@ def rl_models_bytes(config, reference=False, reward_model=False, critic=False):
 
 
 def stage_plan(stage, preset, config, micro_batch_tokens, logits_chunk, train_tokens=0, flops_per_token=0.0,
-               mfu=ASSUMED_MFU["post-training"], decode_tokens=0, extra_bytes=0, note="", ddp=True, phase_bytes=0):
+               mfu=ASSUMED_MFU["post-training"], decode_tokens=0, extra_bytes=0, note="", ddp=True, phase_bytes=0,
+               trainable=None):
     """
     One stage's budget on HARDWARE[preset]: training FLOPs = train_tokens x flops_per_token at `mfu` of every GPU's
     peak, plus decode_tokens generated at the assumed decode rate, over all the GPUs; peak memory per GPU = the
     larger of planned_memory at the micro-batch (0 tokens: no learner) and phase_bytes, the peak of a phase that
-    never coexists with the learner (RL's rollouts, eval's generation). Returns a dict (minutes, peak_gib, fits, ...)
+    never coexists with the learner (RL's rollouts, eval's generation); trainable: LoRA's adapter parameters when only
+    they train (model.training_memory). Returns a dict (minutes, peak_gib, fits, ...)
     for print_plan and plan.py.
     """
     hw = HARDWARE[preset]
-    learner = planned_memory(config, micro_batch_tokens, logits_chunk, extra_bytes, ddp) if micro_batch_tokens else 0
+    learner = (planned_memory(config, micro_batch_tokens, logits_chunk, extra_bytes, ddp, trainable)
+               if micro_batch_tokens else 0)
     peak = max(learner, phase_bytes)
     plan = dict(stage=stage, preset=preset, hardware=hw["name"], tokens=train_tokens, flops=train_tokens *
                 flops_per_token, mfu=mfu, decode_tokens=decode_tokens, micro_batch_tokens=micro_batch_tokens,

@@ -4,6 +4,7 @@ length-normalised DPO, SimPO), from a hub preference set, the synthetic pairs, o
 generates itself and the task verifier labels.
 
     python dpo.py --preset tiny                     # CPU, minutes: self-generated pairs on synthetic problems
+    python dpo.py --preset tiny --lora-rank 8       # LoRA adapters (model.LoRA) on a frozen SFT model
     torchrun --nproc_per_node=8 dpo.py --preset full   # full: UltraFeedback-binarized, ~3 min on 8xH100 (estimate)
     torchrun --nproc_per_node=8 dpo.py --preset full --pairs self-generated --task gsm8k   # on-policy GSM8K pairs
     torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 dpo.py --preset full   # and node-rank=1
@@ -12,7 +13,8 @@ A pair is two token sequences, chosen and rejected, that share one prompt render
 log pi(y|x) sums the log-probs of the answer's trained tokens only (mask 1: the model's own tokens, not the prompt
 and not forced tool outputs). The reference model is the SFT model: its log-probs are computed once over the
 dataset before the first update, so no second model is kept in memory (--live-reference keeps a frozen copy and runs
-it every step instead).
+it every step instead). With --lora-rank the base weights are the reference: each step scores its pairs with the same
+model, adapters switched off (the SFT model exactly), so there is neither a copy nor a precomputed pass.
 """
 
 import argparse
@@ -33,7 +35,8 @@ from common import autocast_ctx, compute_cleanup, compute_init, format_eta, prin
 from engine import Engine, load_model
 from eval import evaluate_generative
 from judge import JudgedTask, add_judge_flags, judge_from_args
-from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
+from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
+                   check_lora_flags, lora_checkpoint, trainable_params)
 from rollout import preference_pairs
 from tasks import collate, decontamination_index, task_by_name, token_budget_batches
 
@@ -119,13 +122,14 @@ def plan(args, config):
     """
     num_params, flops = common.model_size(config)
     reference = 4 * num_params if getattr(args, "live_reference", False) else 0
+    trainable = trainable_params(config, args)  # with --lora-rank: the adapters' gradients and AdamW state only
     micro = common.fit_batch_tokens("dpo", config, common.HARDWARE[args.preset]["memory"], args.device_batch_tokens,
-                                    2 * config.sequence_len, LOGITS_CHUNK_TOKENS, reference)
+                                    2 * config.sequence_len, LOGITS_CHUNK_TOKENS, reference, trainable=trainable)
     decode = 2 * args.check_problems * (1 + args.check_samples) * args.max_new_tokens
     per_token = flops * 4 / 3 + 2 * config.n_embd * config.vocab_size
     return common.stage_plan("dpo", args.preset, config, micro, LOGITS_CHUNK_TOKENS,
                              args.epochs * PLAN_TOKENS[args.preset], per_token, decode_tokens=decode,
-                             extra_bytes=reference)
+                             extra_bytes=reference, trainable=trainable)
 
 
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta,
@@ -495,7 +499,12 @@ def main(argv=None):
     add_judge_flags(parser)
     parser.add_argument("--dry-run", action="store_true", help="build the model, pairs and optimizers, print the plan "
                         "and stop before the reference pass")
+    add_lora_flags(parser)
     args = parser.parse_args(argv)
+    check_lora_flags(parser, args)
+    if args.lora_rank and args.live_reference:
+        parser.error("--live-reference keeps a copy of the SFT model; with --lora-rank the reference is the same "
+                     "model with its adapters off, live already")
     fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
     filled = resolve_loss_defaults(args)
     for key, value in PRESETS[args.preset].items():
@@ -518,6 +527,7 @@ def main(argv=None):
 
     # The SFT model is both the initial policy and the reference (ORPO and SimPO have none; ORPO may start from base).
     model, tokenizer, sft_meta = load_model(args.ckpt or common.checkpoint_dir("sft"), device)
+    lora = attach_lora(model, args)  # None without --lora-rank; then the reference is the model with them off
     max_seq_len = args.max_seq_len or model.config.sequence_len
     args.device_batch_tokens = common.batch_tokens_for_device(
         "dpo", None if fit_batch else args.device_batch_tokens, device, model.config, args.device_batch_tokens,
@@ -565,8 +575,11 @@ def main(argv=None):
            f"~{model.flops_per_token() * tokens:.1e} FLOPs"
            + ("" if args.loss_type in REFERENCE_FREE else " (+1/3 for the reference pass)"))
 
-    optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
-                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    optimizers = lora.optimizers(args.lora_lr) if lora else model.setup_optimizers(
+        matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
+        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    if lora:
+        print0(f"{lora.extra_repr()}: {lora.num_trainable():,} trainable parameters, the base frozen")
     if args.dry_run:
         if args.preset in common.HARDWARE:
             common.print_plan(plan(args, model.config))
@@ -575,15 +588,18 @@ def main(argv=None):
         return
 
     reference = copy.deepcopy(model).requires_grad_(False) if args.live_reference else None
+    # With LoRA the reference is the same model with its adapters off (the base exactly): no copy, no precomputed pass.
+    live_reference = reference is not None or lora is not None
     if args.loss_type in REFERENCE_FREE:  # the losses ignore these zeros
         train_ref, eval_ref = torch.zeros(len(train_pairs), 2, device=device), torch.zeros(len(eval_pairs), 2,
                                                                                           device=device)
         print0(f"{args.loss_type}: no reference model")
     else:
-        if reference is None:
+        if not live_reference:
             train_ref = reference_logps(model, train_pairs, args.device_batch_tokens, pad_id, device)  # (N, 2)
             print0("reference log-probs precomputed; the reference model is not kept")
-        eval_ref = reference_logps(model, eval_pairs, args.device_batch_tokens, pad_id, device)  # (N_eval, 2)
+        with lora.disabled() if lora else nullcontext():
+            eval_ref = reference_logps(model, eval_pairs, args.device_batch_tokens, pad_id, device)  # (N_eval, 2)
     print0(f"data and reference ready in {time.time() - t0:.0f}s")
 
     # The SFT model's scores; its preference margins are all 0 (policy = reference), so its accuracy is 0.
@@ -595,7 +611,10 @@ def main(argv=None):
     start_step = 0
     if resume:
         state, _, extra = common.load_checkpoint(resume, device=device)
-        model.load_state_dict(state)
+        if lora:  # the base is --ckpt's, as at the start; the checkpoint's model is the merged export
+            lora.load_state_dict(extra["lora"])
+        else:
+            model.load_state_dict(state)
         for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
         start_step = extra["step"]
@@ -613,10 +632,11 @@ def main(argv=None):
                 group["lr"] = group["initial_lr"] * lr_multiplier
         positions = [(step * pairs_per_rank + i) % len(train_pairs) for i in range(pairs_per_rank)]
         step_pairs = [train_pairs[p] for p in positions]
-        if reference is None:
+        if not live_reference or args.loss_type in REFERENCE_FREE:
             step_ref = train_ref[positions]  # (B_step, 2)
         else:
-            step_ref = reference_logps(reference, step_pairs, args.device_batch_tokens, pad_id, device)
+            with lora.disabled() if lora else nullcontext():
+                step_ref = reference_logps(reference or model, step_pairs, args.device_batch_tokens, pad_id, device)
         kl = None
         if args.loss_type == "kto":  # z0 of the whole step (all micro-batches, all ranks), before any update
             kl = kto_kl(model, step_pairs, step_ref[:, 1], args.device_batch_tokens, pad_id, device)
@@ -650,9 +670,10 @@ def main(argv=None):
         logger.log(log, step + 1)
         preempted = common.preempted(device)  # SIGTERM/SIGINT: keep this step's work, see common.py
         if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
-            common.save_checkpoint(out_dir, step + 1, model, {"stage": "dpo", "finished": False}, tokenizer=tokenizer,
-                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
-                                          "curves": logger.series})
+            common.save_checkpoint(out_dir, step + 1, tokenizer=tokenizer, **lora_checkpoint(
+                model, lora, {"stage": "dpo", "finished": False},
+                {"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
+                 "curves": logger.series}))
         if preempted:
             common.exit_preempted(out_dir)
 
@@ -667,7 +688,8 @@ def main(argv=None):
     if rank == 0:
         meta = {"stage": "dpo", "finished": True, "preset": args.preset, "args": vars(args), "metrics": after,
                 "sft_step": sft_meta.get("step")}
-        print0(f"saved {common.save_checkpoint(out_dir, num_steps, model, meta, tokenizer=tokenizer)}")
+        path = common.save_checkpoint(out_dir, num_steps, tokenizer=tokenizer, **lora_checkpoint(model, lora, meta))
+        print0(f"saved {path}")
     common.append_report({"stage": "dpo", "preset": args.preset, "seconds": time.time() - stage_start,
                           "pairs": args.pairs, "loss_type": args.loss_type,
                           "steps": num_steps, "train_pairs": min_pairs * world_size,

@@ -14,6 +14,7 @@ import engine.py, and engine.StaticKVCache (the compiled decode step's) goes thr
 """
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -322,7 +323,7 @@ class GPT(nn.Module):
         return tuple(torch.cat(parts).view(B, T, *parts[0].shape[1:]) for parts in zip(*outputs))
 
 
-def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS, ddp=True):
+def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS, ddp=True, trainable=None):
     """
     Analytic peak memory of one training process in bytes (tensors only, what torch.cuda.max_memory_allocated
     counts: the CUDA context and allocator slack come on top), for a micro-batch of N = micro_batch_tokens padded
@@ -344,6 +345,10 @@ def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS
     with C = n_embd, L = n_layer, V = vocab_size, f = n_kv_head / n_head. The activation coefficients were counted
     from the tensors autograd saves in Block.forward under CUDA autocast (rms_norm in fp32, matmuls in bf16);
     flash attention keeps only its output and log-sum-exp, no (T, T) scores.
+    trainable: LoRA's adapter parameters (lora_params) when only they train: their fp32 weights come on top,
+    gradients are 4 trainable (x2 with ddp) and AdamW's two moments 8 trainable instead of the full model's terms;
+    activations are counted as for full fine-tuning (an upper bound: the adapters keep their inputs, the frozen
+    weights need none for their own gradients).
     """
     C, L, V = config.n_embd, config.n_layer, config.vocab_size
     f = config.n_kv_head / config.n_head
@@ -351,16 +356,165 @@ def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS
     params = 2 * V * C + block_params
     N = micro_batch_tokens
     terms = {
-        "weights": 4 * params,
+        "weights": 4 * (params + (trainable or 0)),
         "autocast": 2 * block_params + 2 * V * C,
-        "grads": 4 * params * (2 if ddp else 1),
-        "optimizer": 8 * 2 * V * C + 4 * block_params,
+        "grads": 4 * (params if trainable is None else trainable) * (2 if ddp else 1),
+        "optimizer": 8 * 2 * V * C + 4 * block_params if trainable is None else 8 * trainable,
         "activations": N * (L * (48 + 10 * f) + 14) * C,
         "logits": 22 * V * (N if logits_chunk is None else min(N, logits_chunk)),
     }
     terms = {name: int(value) for name, value in terms.items()}
     terms["total"] = sum(terms.values())
     return terms
+
+
+# -----------------------------------------------------------------------------
+# LoRA: low-rank adapters on the blocks' linear layers, the base weights frozen (Hu et al. 2021)
+
+LORA_TARGETS = ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+LORA_LR = 1e-3  # the adapters' AdamW learning rate unless --lora-lr says otherwise (the LoRA paper's order)
+
+
+class LoRA(nn.Module):
+    """
+    Low-rank adapters (Hu et al. 2021, "LoRA"): every target linear layer W (out, in) of every block computes
+
+        y = W x + (alpha / r) B A x,     A (r, in) ~ N(0, 1 / in),  B (out, r) = 0
+
+    with W frozen and only A, B trained. B = 0 makes the adapted model exactly the base at initialisation; alpha / r
+    sets the update's scale (default alpha = r: scale 1). The adapters sit in forward hooks of the unchanged
+    nn.Linear modules, so the GPT's own parameter names stay those of every checkpoint, and `model.lora` (this
+    module, registered on the model) holds A and B: model.parameters() yields them (gradient clipping, all-reduce)
+    and .to() moves them. Switched off (`with lora.disabled():`) the model is the base exactly: DPO's and RL's
+    reference.
+    merged() is a plain GPT with W + (alpha / r) B A, the checkpoint every other script loads unchanged.
+    """
+
+    def __init__(self, model, rank, alpha=None, targets=LORA_TARGETS):
+        super().__init__()
+        unknown = sorted(set(targets) - set(LORA_TARGETS))
+        if rank < 1 or unknown:
+            raise ValueError(f"LoRA needs rank >= 1 (got {rank}) and targets among {', '.join(LORA_TARGETS)}"
+                             + (f" (got {', '.join(unknown)})" if unknown else ""))
+        self.rank, self.alpha, self.targets = rank, float(alpha or rank), tuple(targets)
+        self.scale = self.alpha / rank
+        self.enabled = True
+        model.requires_grad_(False)
+        self.names = [f"blocks.{i}.{target}" for i in range(len(model.blocks)) for target in self.targets]
+        linears = [model.get_submodule(name) for name in self.names]
+        device = model.lm_head.weight.device
+        self.a = nn.ParameterList([nn.Parameter(torch.randn(rank, m.in_features, device=device) * m.in_features ** -0.5)
+                                   for m in linears])
+        self.b = nn.ParameterList([nn.Parameter(torch.zeros(m.out_features, rank, device=device)) for m in linears])
+        for linear, a, b in zip(linears, self.a, self.b):
+            linear.register_forward_hook(partial(self._adapt, a, b))
+        model.lora = self
+
+    def _adapt(self, a, b, module, inputs, output):
+        if not self.enabled:
+            return output
+        return output + F.linear(F.linear(inputs[0], a), b) * self.scale  # (..., in) -> (..., r) -> (..., out)
+
+    @contextmanager
+    def disabled(self):
+        """A context in which the model runs without its adapters: the base model, exactly."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    def num_trainable(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def optimizers(self, lr):
+        """[AdamW] over the adapters (the base is frozen); each group carries "initial_lr" like setup_optimizers'."""
+        adamw = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.0)
+        for group in adamw.param_groups:
+            group["initial_lr"] = group["lr"]
+        return [adamw]
+
+    def meta(self):
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "params": self.num_trainable()}
+
+    @torch.no_grad()
+    def merged(self, model):
+        """A plain GPT (eval mode) with weights W + (alpha / r) B A: the adapted model without hooks."""
+        state = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("lora.")}
+        for name, a, b in zip(self.names, self.a, self.b):
+            state[f"{name}.weight"] += self.scale * (b @ a)
+        merged = GPT(model.config).to(model.lm_head.weight.device)
+        merged.load_state_dict(state, strict=True)
+        return merged.eval()
+
+    def extra_repr(self):
+        return f"LoRA rank {self.rank}, alpha {self.alpha:g}, targets {','.join(self.targets)}"
+
+
+def add_lora_flags(parser):
+    """The LoRA flags every chat stage takes (sft, dpo, rl, distill)."""
+    add = parser.add_argument
+    add("--lora-rank", type=int, default=None,
+        help="train rank-r LoRA adapters (model.LoRA) with AdamW instead of every weight; the base stays frozen and "
+             "the checkpoint holds the adapters and the merged weights (default: full fine-tuning)")
+    add("--lora-alpha", type=float, default=None, help="LoRA scale numerator: updates are (alpha / r) B A (default r)")
+    add("--lora-targets", default=None,
+        help=f"comma-separated linear layers of every block to adapt (default all: {','.join(LORA_TARGETS)})")
+    add("--lora-lr", type=float, default=None,
+        help=f"the adapters' AdamW learning rate (default {LORA_LR:g}); with LoRA, --lr-frac does not apply")
+
+
+def check_lora_flags(parser, args):
+    """Refuse LoRA options without --lora-rank and --lr-frac with it; fill the defaults. Call before presets fill."""
+    given = [flag for flag in ("lora_alpha", "lora_targets", "lora_lr") if getattr(args, flag) is not None]
+    if args.lora_rank is None and given:
+        parser.error(f"--{given[0].replace('_', '-')} needs --lora-rank")
+    if args.lora_rank is None:
+        return
+    if getattr(args, "lr_frac", None) is not None:
+        parser.error("--lr-frac scales the full fine-tuning learning rates; with --lora-rank use --lora-lr")
+    targets = tuple(args.lora_targets.split(",")) if args.lora_targets else LORA_TARGETS
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if args.lora_rank < 1 or unknown:
+        parser.error(f"--lora-rank must be >= 1 and --lora-targets among {','.join(LORA_TARGETS)}"
+                     + (f" (got {','.join(unknown)})" if unknown else ""))
+    args.lora_targets = ",".join(targets)
+    args.lora_lr = LORA_LR if args.lora_lr is None else args.lora_lr
+
+
+def lora_checkpoint(model, lora, meta, extra=None):
+    """
+    The model, meta and extra keywords of common.save_checkpoint. Without LoRA as given; with it the merged weights
+    are the checkpoint's model (every script and merge.py load it unchanged) and the adapters (extra["lora"]) and their
+    settings (meta["lora"]) ride along for --resume, which rebuilds the base from --ckpt and loads them back.
+    """
+    if lora is None:
+        return dict(model=model, meta=meta, extra=extra)
+    return dict(model=lora.merged(model), meta={**meta, "lora": lora.meta()},
+                extra={**(extra or {}), "lora": lora.state_dict()})
+
+
+def lora_params(config, rank, targets=LORA_TARGETS):
+    """The adapter parameters of LoRA(rank, targets) on a GPT of this config: r (in + out) per adapted linear."""
+    C, kv = config.n_embd, config.n_kv_head * (config.n_embd // config.n_head)
+    sizes = {"attn.c_q": C + C, "attn.c_k": C + kv, "attn.c_v": C + kv, "attn.c_proj": C + C, "mlp.c_fc": C + 4 * C,
+             "mlp.c_proj": 4 * C + C}
+    return config.n_layer * rank * sum(sizes[target] for target in targets)
+
+
+def trainable_params(config, args):
+    """For a stage's plan(): the parameters --lora-rank/--lora-targets train (lora_params), or None (all of them)."""
+    if getattr(args, "lora_rank", None) is None:
+        return None
+    return lora_params(config, args.lora_rank, args.lora_targets.split(","))
+
+
+def attach_lora(model, args):
+    """LoRA adapters on `model` as --lora-rank/--lora-alpha/--lora-targets say, or None without --lora-rank."""
+    if args.lora_rank is None:
+        return None
+    return LoRA(model, args.lora_rank, args.lora_alpha, args.lora_targets.split(","))
+
 
 # -----------------------------------------------------------------------------
 # A GPT trunk with a scalar head: the reward model (rm.py, read at the answer's last token) and PPO's critic

@@ -37,8 +37,8 @@ from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, 
 from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, aggregate, all_reduce_gradients,
                      batch_counts, check_numeric_flags, difficulty_prompts, evaluate_held_out, finish_args,
                      global_moments, kl_penalty, learner_batches, learner_tally, load_reward_model, policy_loss,
-                     prepare_prompts, print_step, reduce_tally, reference_sampling, report_record, row_sampling,
-                     score_old, step_metrics, token_logprobs, whiten)
+                     prepare_prompts, print_step, reduce_tally, reference_sampling, report_record, reward_judge,
+                     row_sampling, score_old, step_metrics, token_logprobs, whiten)
 
 # -----------------------------------------------------------------------------
 # The math: per-token rewards, GAE, the clipped value loss
@@ -190,7 +190,7 @@ def main(argv=None):
     pad_id = tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
     print0(f"model: {model.num_params():,} parameters from {out if resume else ckpt} on {device}, {world_size} rank(s)")
 
-    train_task, test_task, eval_indices, decontaminated = prepare_prompts(args, world_size)
+    train_task, test_task, eval_indices, decontaminated = prepare_prompts(args, world_size, reward_judge(args))
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
     f = args.critic_lr_frac

@@ -7,6 +7,7 @@ Reinforcement learning from verifiable rewards: the GRPO family, one loop, every
     torchrun --nnodes=2 --nproc_per_node=8 --node-rank=0 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
              rl.py --preset full                                # two nodes (node-rank 1 on the other)
     python rl.py --preset tiny --ckpt CK/sft --out CK/rlhf --reward rm --rm-ckpt CK/rm   # RL from a reward model
+    python rl.py --preset tiny --lora-rank 8                    # LoRA adapters (model.LoRA) on a frozen policy
     torchrun --nproc_per_node=8 rl.py --preset full --task ultrafeedback --reward rm --rm-ckpt CK/rm --out CK/rlhf
 
 RL from a reward model, the older RLHF recipe's reward (Ziegler et al. 2019; Ouyang et al. 2022):
@@ -88,6 +89,7 @@ import argparse
 import math
 import time
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -98,11 +100,13 @@ from common import (ASSUMED_PASS_RATE, FINISHED, HARDWARE, Logger, add_stage_fla
                     load_checkpoint, model_size, preempted, print0, print_plan, resume_or_finish, rl_models_bytes,
                     run_cli, save_checkpoint, stage_plan, synchronize)
 from engine import Engine, load_model
-from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
+from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
+                   check_lora_flags, lora_checkpoint, trainable_params)
 from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, aggregate, all_reduce_gradients,
                      batch_counts, difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches,
                      learner_tally, load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally,
-                     reference_sampling, report_record, row_sampling, score_old, step_metrics, token_logprobs)
+                     reference_sampling, report_record, reward_judge, row_sampling, score_old, step_metrics,
+                     token_logprobs)
 # The objective this stage trains lives in rollout.py, shared with ppo.py (a stage never imports another stage), and
 # is named here as part of rl.py's interface: group_advantages (GRPO / Dr. GRPO / RLOO, applied by
 # rollout.learner_rows), overlong_penalty (DAPO), policy_loss (pg / ppo / gspo / cispo, reduced by aggregate),
@@ -125,7 +129,7 @@ def plan(args, config):
     larger of the learner at the largest micro-batch that fits (gradients summed in place, no DDP buckets) and the
     rollout (weights, optimizer state, this rank's KV cache of a round, bf16), which never coexist: the engine's
     cache is freed when generate returns; both plus the reference, reward model and critic the flags load
-    (common.rl_models_bytes).
+    (common.rl_models_bytes). With --lora-rank the learner keeps gradients and AdamW state of the adapters only.
     """
     hw = HARDWARE[args.preset]
     flops = model_size(config)[1]
@@ -141,15 +145,17 @@ def plan(args, config):
     passes = args.epochs * (flops + 2 * config.n_embd * config.vocab_size)
     passes += (flops / 3 if args.epochs > 1 or args.minibatches > 1 else 0) + (flops / 3 if args.kl_coef > 0 else 0)
     tokens = args.num_steps * args.prompts_per_step * args.group_size * positions
-    extra = sum(rl_models_bytes(config, reference=args.kl_coef > 0, reward_model=args.reward == "rm",
-                                critic=False).values())
+    trainable = trainable_params(config, args)  # with --lora-rank: the adapters' gradients and AdamW state only
+    # With LoRA the reference is the policy with its adapters off: no second copy.
+    extra = sum(rl_models_bytes(config, reference=args.kl_coef > 0 and trainable is None,
+                                reward_model=args.reward == "rm", critic=False).values())
     rollout = inference_memory(config, math.ceil(rows / hw["gpus"]), positions, math.ceil(rows / hw["gpus"]),
                                optimizer=True) + extra
     micro = fit_batch_tokens("rl", config, hw["memory"], args.device_batch_tokens, positions, LOGITS_CHUNK_TOKENS,
-                             extra, ddp=False)
+                             extra, ddp=False, trainable=trainable)
     why = f"pass@1 {pass_rate:.0%} assumed, slowest of {hw['gpus']} rank(s)" if filtered else "no contrast filter"
     return dict(stage_plan("rl", args.preset, config, micro, LOGITS_CHUNK_TOKENS, tokens, passes, decode_tokens=decode,
-                           extra_bytes=extra, ddp=False, phase_bytes=rollout,
+                           extra_bytes=extra, ddp=False, phase_bytes=rollout, trainable=trainable,
                            note=f"{rounds:.2f} sampling rounds per step ({why}), --oversample {args.oversample:g}"),
                 sampling_rounds=rounds)
 
@@ -168,7 +174,13 @@ def parse_args(argv=None):
                              "scores divided by its tiny std would get full-size advantages)")
     parser.add_argument("--adv-baseline", choices=["mean", "loo"], default="mean",
                         help="mean: GRPO; loo: RLOO leave-one-out")
-    args = finish_args(parser, parser.parse_args(argv))
+    add_lora_flags(parser)
+    args = parser.parse_args(argv)
+    check_lora_flags(parser, args)
+    if args.lora_rank and args.async_rollouts:
+        parser.error("--async sends the policy's weights to a plain GPT in the rollout process; with --lora-rank drop "
+                     "--async")
+    args = finish_args(parser, args)
     if args.adv_scale is None:
         args.adv_scale = "none" if args.reward == "rm" else "std"
     return args
@@ -184,24 +196,29 @@ def main(argv=None):
     ckpt = Path(args.ckpt) if args.ckpt else checkpoint_dir("dpo")
     out = Path(args.out) if args.out else checkpoint_dir("rl")
 
-    # Model: the previous stage's checkpoint, or our own to resume from; the frozen reference and reward models.
+    # Model: the previous stage's checkpoint, or our own to resume from (with LoRA: the base from --ckpt, the adapters
+    # from ours); the frozen reference (with LoRA: the same model with its adapters off) and reward models.
     resume = resume_or_finish(out, args.resume, "rl")  # the newest whole step folder, or None
     if resume is FINISHED:
         return
-    model, tokenizer, meta = load_model(resume or ckpt, device)
+    model, tokenizer, meta = load_model(resume if resume and not args.lora_rank else ckpt, device)
+    lora = attach_lora(model, args)  # None without --lora-rank
     ref_model = None
     if args.kl_coef > 0:
-        ref_model, _, _ = load_model(ckpt, device)
-        ref_model.requires_grad_(False)
+        ref_model = model if lora else load_model(ckpt, device)[0].requires_grad_(False)
+    reference_off = lora.disabled if lora else nullcontext  # the reference forward: adapters off, or nothing to do
     reward_model = load_reward_model(args, tokenizer, device)
     engine = Engine(model, tokenizer)
     pad_id = tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
     print0(f"model: {model.num_params():,} parameters from {out if resume else ckpt} on {device}, {world_size} rank(s)")
 
     # Data: training prompts (mixture, decontamination) and the held-out problems.
-    train_task, test_task, eval_indices, decontaminated = prepare_prompts(args, world_size)
-    optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
-                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    train_task, test_task, eval_indices, decontaminated = prepare_prompts(args, world_size, reward_judge(args))
+    optimizers = lora.optimizers(args.lora_lr) if lora else model.setup_optimizers(
+        matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
+        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    if lora:
+        print0(f"{lora.extra_repr()}: {lora.num_trainable():,} trainable parameters, the base frozen")
     longest_prompt = max(len(tokenizer.render_for_completion(train_task[i])) for i in range(min(64, len(train_task))))
     print0(f"plan: {args.num_steps} steps; each samples {args.prompts_per_step} x {args.group_size} completions of <= "
            f"{args.max_tokens} tokens per round (<= {args.max_sampling_rounds} rounds), then {args.epochs} epoch(s) "
@@ -211,7 +228,7 @@ def main(argv=None):
            f"(model context {model.config.sequence_len})")
     held = kv_cache_bytes(model.config, math.ceil(args.prompts_per_step // world_size * args.oversample)
                           * args.group_size, longest_prompt + args.max_tokens)
-    held += 4 * model.num_params() if ref_model is not None else 0
+    held += 4 * model.num_params() if ref_model is not None and not lora else 0
     args.device_batch_tokens = batch_tokens_for_device("rl", None if args.fit_batch else args.device_batch_tokens,
                                                        device, model.config, args.device_batch_tokens,
                                                        longest_prompt + args.max_tokens, LOGITS_CHUNK_TOKENS, held)
@@ -223,11 +240,14 @@ def main(argv=None):
         return
     train_task = difficulty_prompts(args, engine, train_task, ckpt, resume, sampling)
     start_step, history, source_totals, extra = 0, [], Counter(), {}  # source_totals: the run's sums, checkpointed
+    tokens_sampled = 0  # every sampled completion token, dynamic sampling's dropped groups too: the rollout budget
     if resume:
         _, _, extra = load_checkpoint(resume, device=device)
         for optimizer, state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(state)
-        start_step, history = extra["step"], extra["history"]
+        if lora:
+            lora.load_state_dict(extra["lora"])
+        start_step, history, tokens_sampled = extra["step"], extra["history"], extra["tokens_sampled"]
         source_totals.update(extra["source_totals"])
         print0(f"resuming at step {start_step}")
     logger = Logger(args.run, vars(args), series=extra.get("curves"))  # on --resume, the curves so far
@@ -244,10 +264,11 @@ def main(argv=None):
         if rank != 0:
             return
         state = {"optimizers": [o.state_dict() for o in optimizers], "step": step, "history": history,
-                 "source_totals": dict(source_totals), "curves": logger.series}
+                 "source_totals": dict(source_totals), "tokens_sampled": tokens_sampled, "curves": logger.series}
         state.update(rollouts.state_dict())  # PTGS counts, the --async worker's pending weights
-        save_checkpoint(out, step, model, {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
-                                           "eval": history[-1] if history else None}, tokenizer=tokenizer, extra=state)
+        meta = {"stage": "rl", "source": str(ckpt), "args": vars(args), "finished": finished,
+                "eval": history[-1] if history else None}
+        save_checkpoint(out, step, tokenizer=tokenizer, **lora_checkpoint(model, lora, meta, state))
 
     t_start = time.time()
     for step in range(start_step, args.num_steps):
@@ -274,8 +295,9 @@ def main(argv=None):
                     score_old(micro, *token_logprobs(model, micro["inputs"], micro["targets"],
                                                      row_sampling(sampling, micro)), tally, args)
                 if ref_model is not None:
-                    micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"],
-                                                          reference_sampling(row_sampling(sampling, micro)))
+                    with reference_off():
+                        micro["ref_logp"], _ = token_logprobs(ref_model, micro["inputs"], micro["targets"],
+                                                              reference_sampling(row_sampling(sampling, micro)))
         counts, _ = batch_counts(minibatches, args.loss_agg, device)
 
         # 4b. The update: --epochs passes over the batch, one optimizer step per minibatch.
@@ -321,6 +343,7 @@ def main(argv=None):
 
         # Logs: rollout outcomes of every sampled group (filtered ones included), learner statistics, timings.
         tally = reduce_tally(tally, device)
+        tokens_sampled += int(tally["length_sum"])
         metrics = step_metrics(tally, optimizer_steps, grad_norms, (t1 - t0, t2 - t1), info, train_task.tasks,
                                source_totals)
         extra_line = ""
@@ -336,7 +359,8 @@ def main(argv=None):
         # 5. Held-out evaluation and periodic checkpoints.
         last = step + 1 == args.num_steps
         if (args.eval_every and (step + 1) % args.eval_every == 0) or last:
-            history.append(evaluate_held_out(engine, test_task, eval_indices, args, step + 1, reward_model))
+            history.append({**evaluate_held_out(engine, test_task, eval_indices, args, step + 1, reward_model),
+                            "tokens_sampled": tokens_sampled})
             logger.log({f"eval/{k}": v for k, v in history[-1].items() if k != "step"}, step=step + 1)
         if preempted(device):  # SIGTERM/SIGINT: keep this step's work, see common.py
             save(step + 1, finished=False)

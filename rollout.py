@@ -1,10 +1,11 @@
 """
 Rollouts for the RL stages (a library, like eval.py): sample groups of answers and score them, and everything that
-feeds the learner from there. Used by rl.py (GRPO family), ppo.py (PPO with a critic) and by dpo.py / rm.py for
-their self-generated preference pairs.
+feeds the learner from there. Used by rl.py (GRPO family), ppo.py (PPO with a critic), distill.py (on-policy
+distillation) and by dpo.py / rm.py for their self-generated preference pairs.
 
     prompts     the --task mixture (tasks.PromptMixture, per-source accounting), decontamination
-                (tasks.decontamination_index), the difficulty filter; one entry point: prepare_prompts(args, engine, ckpt, resume, sampling)
+                (tasks.decontamination_index), the difficulty filter; entry points: prepare_prompts(args, world_size,
+                judge), then difficulty_prompts(args, engine, train_task, ckpt, resume, sampling)
     sampling    sample_groups (one prefill per prompt, dynamic sampling), score_group (the verifier of every answer),
                 self_generated_pairs / preference_pairs (a right and a wrong answer of one prompt, for DPO and the
                 reward model), PTGS (TemperatureController), the overlapped RolloutWorker; one entry point:
@@ -714,7 +715,7 @@ def all_reduce_gradients(model):
     Sum gradients over ranks. Not DistributedDataParallel: dynamic sampling leaves ranks with different numbers
     of micro-batches, and DDP's per-backward all-reduce would have to be paired up across ranks.
     """
-    for p in model.parameters():
+    for p in (p for p in model.parameters() if p.requires_grad):  # a LoRA base is frozen: nothing to sum
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
@@ -1068,17 +1069,23 @@ def load_reward_model(args, tokenizer, device):
     return reward_model.requires_grad_(False)
 
 
-def prepare_prompts(args, world_size):
+def reward_judge(args):
+    """rl.py/ppo.py --reward judge: the judge.JudgeVerifier of the --judge-* flags; None without them; ValueError for
+    a judge the run would not use."""
+    return judge_from_args(args, args.reward == "judge", "use it with --reward judge")
+
+
+def prepare_prompts(args, world_size, judge=None):
     """
     The training prompts and the held-out problems of --task: (train_task, test_task, eval_indices, decontaminated
-    {source: prompts dropped}). With --decontaminate, training prompts that overlap the preset's evaluation sets or
+    {source: prompts dropped}). judge (reward_judge's) scores the training rollouts; the held-out problems keep their
+    verifier. With --decontaminate, training prompts that overlap the preset's evaluation sets or
     the held-out problems evaluated here are dropped. The difficulty filter is a second step (difficulty_prompts):
     it samples with the model, so a --dry-run skips it.
     """
     sources = parse_task_mixture(args.task)
     train_task = PromptMixture([(name, task_by_name(name, "train", args.train_size), w) for name, w in sources])
-    judge = judge_from_args(args, args.reward == "judge", "use it with --reward judge")
-    if judge:  # the judge scores the training rollouts; the held-out problems keep their verifier
+    if judge:
         train_task.tasks = {name: JudgedTask(task, judge, graded=True) for name, task in train_task.tasks.items()}
     test_task = PromptMixture([(name, task_by_name(name, "test", args.eval_problems), w) for name, w in sources])
     eval_indices = list(range(min(args.eval_problems, len(test_task))))

@@ -2,6 +2,7 @@
 Supervised fine-tuning: teach the base model the chat format, to answer and to stop.
 
     python sft.py --preset tiny                     # CPU, minutes: synthetic conversations with calculator calls
+    python sft.py --preset tiny --lora-rank 8       # LoRA adapters (model.LoRA) on a frozen base model
     torchrun --nproc_per_node=8 sft.py --preset full   # full: SmolTalk + GSM8K train, ~6 min on 8xH100 (estimate)
     torchrun --nnodes=2 --node-rank=0 --nproc_per_node=8 --rdzv-endpoint=host:29500 sft.py --preset full   # node-rank=1 on the other
 
@@ -57,7 +58,8 @@ from common import autocast_ctx, compute_cleanup, compute_init, format_eta, prin
 from engine import Engine, load_model
 from eval import PRESETS as EVAL_PRESETS
 from eval import completion_text, evaluate_bpb, evaluate_generative, validation_batches
-from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR
+from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
+                   check_lora_flags, lora_checkpoint, trainable_params)
 from rollout import mix_seed, preference_pairs
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
                    decontamination_index, extract_final_answer, prepare_rows, pretraining_batches, pretraining_texts,
@@ -94,11 +96,12 @@ def plan(args, config):
     largest micro-batch that fits the planned GPU, chunked logits.
     """
     flops = common.model_size(config)[1] + 2 * config.n_embd * config.vocab_size
+    trainable = trainable_params(config, args)  # with --lora-rank: the adapters' gradients and AdamW state only
     micro = common.fit_batch_tokens("sft", config, common.HARDWARE[args.preset]["memory"], args.device_batch_tokens,
-                                    config.sequence_len, LOGITS_CHUNK_TOKENS)
+                                    config.sequence_len, LOGITS_CHUNK_TOKENS, trainable=trainable)
     decode = args.check_problems * (2 + args.check_samples) * args.max_new_tokens
     return common.stage_plan("sft", args.preset, config, micro, LOGITS_CHUNK_TOKENS, PLAN_TOKENS[args.preset], flops,
-                             decode_tokens=decode)
+                             decode_tokens=decode, trainable=trainable)
 
 
 def sft_mixture(preset, split, rows, seed=0):
@@ -417,10 +420,14 @@ def main(argv=None):
     parser.add_argument("--rft-temperature", type=float, default=1.0, help="sampling temperature of the rounds")
     parser.add_argument("--rft-eval-samples", type=int, default=8,
                         help="samples per held-out problem (--check-problems of them): pass@1 and pass@k, T=1")
+    add_lora_flags(parser)
     args = parser.parse_args(argv)
+    check_lora_flags(parser, args)
     stage = "rft" if args.rft_rounds else "sft"
     if args.rft_rounds < 0 or args.rft_samples < 1 or args.rft_keep < 1 or args.rft_eval_samples < 1:
         raise ValueError("--rft-rounds must be >= 0 and --rft-samples, --rft-keep, --rft-eval-samples >= 1")
+    if args.rft_rounds and args.lora_rank:
+        parser.error("--lora-rank trains plain SFT's adapters; --rft-rounds fine-tunes every weight")
     fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -440,6 +447,7 @@ def main(argv=None):
 
     model, tokenizer, base_meta = load_model(args.ckpt or common.checkpoint_dir("sft" if args.rft_rounds else "base"),
                                              device)
+    lora = attach_lora(model, args)  # None without --lora-rank
     max_seq_len = args.max_seq_len or model.config.sequence_len
     args.device_batch_tokens = common.batch_tokens_for_device("sft", None if fit_batch else args.device_batch_tokens,
                                                               device, model.config, args.device_batch_tokens,
@@ -501,8 +509,11 @@ def main(argv=None):
     bpb_batches = list(validation_batches(tokenizer, args.preset, bpb_rows, model.config.sequence_len,
                                           EVAL_PRESETS[args.preset]["bpb_tokens"]))
 
-    optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
-                                        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    optimizers = lora.optimizers(args.lora_lr) if lora else model.setup_optimizers(
+        matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
+        unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    if lora:
+        print0(f"{lora.extra_repr()}: {lora.num_trainable():,} trainable parameters, the base frozen")
     if args.dry_run:
         if args.preset in common.HARDWARE:
             common.print_plan(plan(args, model.config))
@@ -514,7 +525,10 @@ def main(argv=None):
     start_step, replay_consumed = 0, 0
     if resume:
         state, _, extra = common.load_checkpoint(resume, device=device)
-        model.load_state_dict(state)
+        if lora:  # the base is --ckpt's, as at the start; the checkpoint's model is the merged export
+            lora.load_state_dict(extra["lora"])
+        else:
+            model.load_state_dict(state)
         for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
         # Replay continues after the tokens rank 0 had read (other ranks' counts differ a little: near enough).
@@ -562,9 +576,10 @@ def main(argv=None):
         logger.log(log, step + 1)
         preempted = common.preempted(device)  # SIGTERM/SIGINT: keep this step's work, see common.py
         if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
-            common.save_checkpoint(out_dir, step + 1, model, {"stage": "sft", "finished": False}, tokenizer=tokenizer,
-                                   extra={"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
-                                          "replay_tokens": replay_consumed, "curves": logger.series})
+            common.save_checkpoint(out_dir, step + 1, tokenizer=tokenizer, **lora_checkpoint(
+                model, lora, {"stage": "sft", "finished": False},
+                {"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
+                 "replay_tokens": replay_consumed, "curves": logger.series}))
         if preempted:
             common.exit_preempted(out_dir)
 
@@ -580,7 +595,7 @@ def main(argv=None):
     if rank == 0:
         meta = {"stage": "sft", "finished": True, "preset": args.preset, "args": vars(args), "metrics": final,
                 "base_step": base_meta.get("step")}
-        path = common.save_checkpoint(out_dir, num_steps, model, meta, tokenizer=tokenizer)
+        path = common.save_checkpoint(out_dir, num_steps, tokenizer=tokenizer, **lora_checkpoint(model, lora, meta))
         print0(f"saved {path}")
     common.append_report({"stage": "sft", "preset": args.preset, "seconds": time.time() - stage_start,
                           "steps": num_steps, "train_loss": train_loss,

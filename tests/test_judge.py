@@ -266,7 +266,7 @@ def test_rl_reward_judge_scores_training_rollouts_not_held_out_problems(fake, tm
     rubric.write_text(json.dumps(RUBRIC))
     flags = ["--preset", "tiny", "--judge-url", server.url, "--judge-rubric", str(rubric)]
     args = rl.parse_args(["--reward", "judge"] + flags)
-    train_task, test_task, _, _ = rollout.prepare_prompts(args, world_size=1)
+    train_task, test_task, _, _ = rollout.prepare_prompts(args, 1, rollout.reward_judge(args))
     conversation = train_task[0]
     assert train_task.reward(conversation, "anything") == 0.6  # graded: score / max_score
     assert len(server.bodies) == 1 and conversation["messages"][0]["content"] in server.bodies[0]["messages"][1][
@@ -276,4 +276,4 @@ def test_rl_reward_judge_scores_training_rollouts_not_held_out_problems(fake, tm
     with pytest.raises(SystemExit):  # --reward judge without a judge
         rl.parse_args(["--reward", "judge"])
     with pytest.raises(ValueError, match="with --reward judge"):  # a judge the run would not use
-        rollout.prepare_prompts(rl.parse_args(flags), world_size=1)
+        rollout.reward_judge(rl.parse_args(flags))

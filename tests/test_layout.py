@@ -10,7 +10,7 @@ included):
                      rollout.py (sampling and scoring groups,   imports shared modules and eval; eval never imports it
                      the prompts, the learner's rows)
     stage scripts    pretrain, sft, dpo, rl, ppo, rm, merge,    import shared modules and the libraries, never another
-                     serve, export                              stage
+                     serve, export, distill                     stage
     driver           plan.py (speedrun's budget and preset)     imports shared modules, the libraries and the stages
                                                                 whose plan() it adds up; nothing imports it
 
@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = {"common", "model", "tokenizer", "tasks", "engine", "judge"}
-STAGES = {"pretrain", "sft", "dpo", "rl", "ppo", "rm", "merge", "serve", "export"}
+STAGES = {"pretrain", "sft", "dpo", "rl", "ppo", "rm", "merge", "serve", "export", "distill"}
 ALLOWED = {  # layer -> the project modules a module of that layer may import
     **{name: SHARED for name in SHARED},
     "report": SHARED,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common
+import distill
 import dpo
 import rl
 import rollout
@@ -109,18 +110,50 @@ RL_ARGS = ["--preset", "tiny", "--device", "cpu", "--prompts-per-step", "4", "--
            "--save-every", "1", "--eval-every", "2", "--epochs", "2", "--minibatches", "2"]
 
 
-@pytest.mark.parametrize("overlap", [[], ["--async"]], ids=["sync", "async"])
-def test_rl_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys, overlap):
+@pytest.mark.parametrize("flags", [[], ["--async"], ["--lora-rank", "2", "--lora-lr", "1e-2", "--kl-coef", "0.1"]],
+                         ids=["sync", "async", "lora"])
+def test_rl_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys, flags):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: LengthParity(split, size=64))
     ckpt = tmp_path / "dpo"
     common.save_checkpoint(ckpt, 0, make_model(tokenizer).eval(), {"stage": "dpo"}, tokenizer=tokenizer)
-    argv = RL_ARGS + overlap + ["--ckpt", str(ckpt)]
+    argv = RL_ARGS + flags + ["--ckpt", str(ckpt)]
     rl.main(argv + ["--out", str(tmp_path / "a")])
     run_killed_and_resumed(rl.main, argv + ["--out", str(tmp_path / "b")], tmp_path / "b", 2, monkeypatch, rl)
     out = capsys.readouterr().out
     assert "resuming at step 1" in out
-    if overlap:  # the resumed step 2 is sampled by the weights one update old, as in the uninterrupted run
+    if "--async" in flags:  # the resumed step 2 is sampled by the weights one update old, as in the uninterrupted run
         ages = [line.split("age ")[1].split()[0] for line in out.splitlines() if line.startswith("step ")]
         assert ages == ["0", "1", "1", "0", "1", "1"], ages
     assert_same_run(tmp_path / "a", tmp_path / "b")
+    extra_a, extra_b = common.load_checkpoint(tmp_path / "a")[2], common.load_checkpoint(tmp_path / "b")[2]
+    assert extra_a["tokens_sampled"] == extra_b["tokens_sampled"] > 0  # the rollout budget counts on across a resume
+    assert extra_a["history"] == extra_b["history"]
+    if "--lora-rank" in flags:  # the adapters are checkpointed too, and resumed exactly
+        assert extra_a["lora"].keys() == extra_b["lora"].keys()
+        assert all(torch.equal(extra_a["lora"][k], extra_b["lora"][k]) for k in extra_a["lora"])
+
+
+DISTILL_ARGS = ["--preset", "tiny", "--device", "cpu", "--train-size", "64", "--prompts-per-step", "4",
+                "--group-size", "2", "--max-tokens", "8", "--eval-problems", "4", "--eval-samples", "2",
+                "--device-batch-tokens", "512", "--num-steps", "3", "--save-every", "1", "--eval-every", "2"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--full-vocab", "--lora-rank", "2"]], ids=["full-finetune", "lora"])
+def test_distill_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys, flags):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    common.save_checkpoint(tmp_path / "sft", 0, make_model(tokenizer).eval(), {"stage": "sft"}, tokenizer=tokenizer)
+    common.save_checkpoint(tmp_path / "rl", 0, make_model(tokenizer, seed=1).eval(), {"stage": "rl"},
+                           tokenizer=tokenizer)
+    argv = DISTILL_ARGS + flags + ["--ckpt", str(tmp_path / "sft"), "--teacher", str(tmp_path / "rl")]
+    distill.main(argv + ["--out", str(tmp_path / "a")])
+    run_killed_and_resumed(distill.main, argv + ["--out", str(tmp_path / "b")], tmp_path / "b", 2, monkeypatch,
+                           distill)
+    assert "resuming at step 1" in capsys.readouterr().out
+    assert_same_run(tmp_path / "a", tmp_path / "b")
+    extra_a, extra_b = common.load_checkpoint(tmp_path / "a")[2], common.load_checkpoint(tmp_path / "b")[2]
+    assert extra_a["tokens_sampled"] == extra_b["tokens_sampled"] > 0  # the rollout budget counts on across a resume
+    assert extra_a["history"] == extra_b["history"]
+    if "--lora-rank" in flags:  # the adapters are checkpointed too, and resumed exactly
+        assert extra_a["lora"].keys() == extra_b["lora"].keys()
+        assert all(torch.equal(extra_a["lora"][k], extra_b["lora"][k]) for k in extra_a["lora"])
