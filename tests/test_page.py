@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 import serve
 from conftest import make_model, make_tokenizer, scripted_model
 from engine import Engine
+from test_serve import start, stop
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed")]
@@ -100,19 +100,6 @@ class Browser:
 
 
 
-
-
-def start(engine, **kwargs):
-    server = serve.make_server(engine, port=0, quiet=True, **kwargs)
-    server.worker.thread.start()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def stop(server):
-    server.shutdown()
-    server.worker.stop()
-    server.server_close()
 
 
 @pytest.fixture(scope="module")

@@ -306,11 +306,16 @@ def test_calculator_calls_read_as_calculations(calculator_model, tokenizer):
         stop(server)
 
 
-def test_readable_reply_grows_by_prefixes(tokenizer):
+def calculator_reply(tokenizer):
+    """The token ids of a reply with one calculator call: "so ", 17+25 -> 42, " ok", end of turn."""
     t = tokenizer.token_id
-    tokens = [*tokenizer.encode("so "), t("<|python_start|>"), *tokenizer.encode("17+25"), t("<|python_end|>"),
-              t("<|output_start|>"), *tokenizer.encode("42"), t("<|output_end|>"), *tokenizer.encode(" ok"),
-              t("<|assistant_end|>")]
+    return [*tokenizer.encode("so "), t("<|python_start|>"), *tokenizer.encode("17+25"), t("<|python_end|>"),
+            t("<|output_start|>"), *tokenizer.encode("42"), t("<|output_end|>"), *tokenizer.encode(" ok"),
+            t("<|assistant_end|>")]
+
+
+def test_readable_reply_grows_by_prefixes(tokenizer):
+    tokens = calculator_reply(tokenizer)
     assert readable_reply(tokenizer, tokens) == "so [calculator: 17+25 → 42] ok"
     texts = [readable_reply(tokenizer, tokens[:k]) for k in range(len(tokens) + 1)]
     assert all(longer.startswith(shorter) for shorter, longer in zip(texts, texts[1:]))
@@ -791,10 +796,7 @@ def test_replies_sent_back_as_text_render_as_the_model_wrote_them(calculator_mod
 def test_reply_parts_inverts_readable_reply(tokenizer):
     from engine import assistant_content, reply_parts
 
-    t = tokenizer.token_id
-    tokens = [*tokenizer.encode("so "), t("<|python_start|>"), *tokenizer.encode("17+25"), t("<|python_end|>"),
-              t("<|output_start|>"), *tokenizer.encode("42"), t("<|output_end|>"), *tokenizer.encode(" ok"),
-              t("<|assistant_end|>")]
+    tokens = calculator_reply(tokenizer)
     assert reply_parts(readable_reply(tokenizer, tokens)) == assistant_content(tokenizer, tokens)
     assert reply_parts(tokenizer.decode(tokens[:-1])) == assistant_content(tokenizer, tokens)
     assert reply_parts("[calculator: 1+") == [{"type": "text", "text": "[calculator: 1+"}]  # unfinished: text
