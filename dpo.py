@@ -43,6 +43,9 @@ from tasks import collate, decontamination_index, task_by_name, token_budget_bat
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo", "orpo", "kto")
 PAIRED_LOSSES = LOSS_TYPES[:-1]  # dpo_loss's; kto_loss works on single answers labelled desirable or undesirable
 REFERENCE_FREE = ("simpo", "orpo")  # no reference model is loaded, run or precomputed for these
+# Losses that are stages of their own (ORPO replaces SFT + DPO, KTO needs no pairs): their checkpoints default to
+# checkpoints/<loss> and their report records carry the loss as the stage, so they sit next to DPO's, not over it.
+OWN_STAGE = ("orpo", "kto")
 # What a DPO step logs (means over the step's pairs), TRL's names.
 STAT_NAMES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy", "logps/chosen",
               "logps/rejected")
@@ -450,7 +453,7 @@ def main(argv=None):
     common.add_stage_flags(parser, PRESETS, preset="defaults for the flags below", seed="data order and sampling seed",
                            ckpt="SFT checkpoint: the initial policy and the reference (default: checkpoints/sft; "
                                 "--loss orpo may start from the base checkpoint)",
-                           out="where to save (default: checkpoints/dpo)",
+                           out="where to save (default: checkpoints/dpo; --loss orpo / kto: checkpoints/orpo / kto)",
                            resume="continue from the latest checkpoint in --out")
     parser.add_argument("--pairs", choices=("ultrafeedback", "synthetic", "self-generated"),
                         help="preference data: the hub set, the synthetic pairs, or pairs sampled from the SFT model "
@@ -518,10 +521,12 @@ def main(argv=None):
     if filled:
         print0(f"{args.loss_type} loss: paper defaults " + ", ".join(f"{k} {v:g}" for k, v in filled.items()))
 
+    stage = args.loss_type if args.loss_type in OWN_STAGE else "dpo"
+
     ddp, rank, local_rank, world_size, device = compute_init(args.device, seed=args.seed)
     stage_start = time.time()
-    out_dir = args.out or common.checkpoint_dir("dpo")
-    resume = common.resume_or_finish(out_dir, args.resume, "dpo")  # the step folder to continue from, or None
+    out_dir = args.out or common.checkpoint_dir(stage)
+    resume = common.resume_or_finish(out_dir, args.resume, stage)  # the step folder to continue from, or None
     if resume is common.FINISHED:
         return
 
@@ -671,7 +676,7 @@ def main(argv=None):
         preempted = common.preempted(device)  # SIGTERM/SIGINT: keep this step's work, see common.py
         if (preempted or args.save_every and (step + 1) % args.save_every == 0 and step + 1 < num_steps) and rank == 0:
             common.save_checkpoint(out_dir, step + 1, tokenizer=tokenizer, **lora_checkpoint(
-                model, lora, {"stage": "dpo", "finished": False},
+                model, lora, {"stage": stage, "finished": False},
                 {"step": step + 1, "optimizers": [o.state_dict() for o in optimizers],
                  "curves": logger.series}))
         if preempted:
@@ -684,13 +689,13 @@ def main(argv=None):
            f"{preference_summary(after)}")
     logger.log({f"final/{k}": v for k, v in after.items()}, num_steps)
     logger.finish()
-    common.check_ranks_agree(model, "dpo")
+    common.check_ranks_agree(model, stage)
     if rank == 0:
-        meta = {"stage": "dpo", "finished": True, "preset": args.preset, "args": vars(args), "metrics": after,
+        meta = {"stage": stage, "finished": True, "preset": args.preset, "args": vars(args), "metrics": after,
                 "sft_step": sft_meta.get("step")}
         path = common.save_checkpoint(out_dir, num_steps, tokenizer=tokenizer, **lora_checkpoint(model, lora, meta))
         print0(f"saved {path}")
-    common.append_report({"stage": "dpo", "preset": args.preset, "seconds": time.time() - stage_start,
+    common.append_report({"stage": stage, "preset": args.preset, "seconds": time.time() - stage_start,
                           "pairs": args.pairs, "loss_type": args.loss_type,
                           "steps": num_steps, "train_pairs": min_pairs * world_size,
                           **{f"before/{k}": v for k, v in before.items()},

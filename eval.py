@@ -62,7 +62,8 @@ from tasks import (LETTERS, MultipleChoice, canonical_number, collate, completio
                    pretraining_batches, pretraining_texts, task_by_name, token_budget_batches)
 
 # The checkpoints eval.py evaluates: the pipeline's, and those the README's alternatives write (dpo.py --loss orpo /
-# kto --out checkpoints/orpo / kto, sft.py --rft-rounds) and distill.py, so that they share the coverage table.
+# kto: checkpoints/orpo / kto, sft.py --rft-rounds: checkpoints/rft) and distill.py, so that they share the coverage
+# table.
 STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "distill", "merge", "rft", "orpo", "kto")
 GENERATIVE_TASKS = ("synthetic", "gsm8k")
 MC_TASKS = tuple(MultipleChoice.SOURCES)  # arc-easy, arc-challenge, mmlu

@@ -230,6 +230,9 @@ def add_judge_flags(parser):
     parser.add_argument("--judge-retries", type=int, default=3,
                         help="retries of a judge request that timed out, was refused, or got 429/5xx")
     parser.add_argument("--judge-concurrency", type=int, default=8, help="judge requests in flight at most")
+    parser.add_argument("--judge-max-tokens", type=int, default=256,
+                        help="longest judge reply asked for; the prompt plus this must fit the judge's context "
+                             "(serve.py's tiny-preset model has 256 tokens and a judge prompt takes ~200 of them)")
 
 
 def judge_from_args(args, used, how):
@@ -245,7 +248,9 @@ def judge_from_args(args, used, how):
         raise ValueError("--judge-url needs --judge-rubric (what the judge scores against)")
     if not used:
         raise ValueError(f"--judge-url would be unused: the judge scores sampled answers, {how}")
-    if args.judge_concurrency < 1 or args.judge_retries < 0 or args.judge_timeout <= 0:
-        raise ValueError("--judge-concurrency must be >= 1, --judge-retries >= 0 and --judge-timeout > 0")
+    if args.judge_concurrency < 1 or args.judge_retries < 0 or args.judge_timeout <= 0 or args.judge_max_tokens < 1:
+        raise ValueError("--judge-concurrency and --judge-max-tokens must be >= 1, --judge-retries >= 0 and "
+                         "--judge-timeout > 0")
     return JudgeVerifier(args.judge_url, args.judge_model, load_rubric(args.judge_rubric), timeout=args.judge_timeout,
-                         retries=args.judge_retries, concurrency=args.judge_concurrency)
+                         retries=args.judge_retries, concurrency=args.judge_concurrency,
+                         max_tokens=args.judge_max_tokens)

@@ -399,8 +399,8 @@ RL_PANELS = [
           "share of tokens", [("mismatch/logp_gap_mean", "|engine - learner| log-prob")], "nats/token"),
 ]
 # Which panels a stage's figure has, by the stage name in its record (the script that wrote it does not matter).
-STAGE_PANELS = {"pretrain": PRETRAIN_PANELS, "sft": SFT_PANELS, "rft": RFT_PANELS, "dpo": DPO_PANELS, "rm": RM_PANELS,
-                "rl": RL_PANELS, "rlhf": RL_PANELS, "ppo": RL_PANELS}
+STAGE_PANELS = {"pretrain": PRETRAIN_PANELS, "sft": SFT_PANELS, "rft": RFT_PANELS, "dpo": DPO_PANELS, "orpo": DPO_PANELS,
+                "kto": DPO_PANELS, "rm": RM_PANELS, "rl": RL_PANELS, "rlhf": RL_PANELS, "ppo": RL_PANELS}
 # An RL step is one batch of rollouts and the optimizer steps on it (--epochs x --minibatches); other stages'
 # steps are optimizer steps.
 STEP_LABELS = {**dict.fromkeys(("rl", "rlhf", "ppo"), "step (one rollout batch and its updates)"),

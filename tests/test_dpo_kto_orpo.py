@@ -179,13 +179,16 @@ def test_kto_main_separates_desirable_from_undesirable_and_live_reference_agrees
     assert "lambda_D 1, lambda_U 1 (paper default 1, 1); 32 desirable, 32 undesirable" in out
     (record,) = common.read_report()
     assert record["loss_type"] == "kto" and record["steps"] == 8  # 64 answers, 16 a step, 2 epochs
+    # A stage of its own: its record and checkpoints/kto, so a KTO run next to DPO's replaces neither.
+    assert record["stage"] == "kto" and load_model(tmp_path / "checkpoints" / "kto", "cpu")[2]["stage"] == "kto"
+    assert not common.has_checkpoint(tmp_path / "checkpoints" / "dpo")
     assert record["before/kl"] == 0.0  # policy == reference: every log-ratio is 0 (up to batching order)
     assert record["before/rewards/margins"] == pytest.approx(0.0, abs=1e-5)
     assert record["before/loss"] == pytest.approx(0.5, rel=1e-6)  # 1 - sigma(0) for every answer
     assert record["after/rewards/margins"] > 0 and record["after/loss"] < record["before/loss"]
     assert record["after/kl"] >= 0
     # Its figure: KTO's rewards and z0 in place of the pairwise accuracy and log-probs; 8 steps, held-out every 2.
-    points = {line.get_gid(): len(line.get_xdata()) for ax in report.stage_figure("dpo", record).axes
+    points = {line.get_gid(): len(line.get_xdata()) for ax in report.stage_figure("kto", record).axes
               for line in ax.get_lines()}
     assert points == {"train/loss": 8, "val/loss": 4, "train/rewards/margins": 8, "val/rewards/margins": 4,
                       "train/rewards/desirable": 8, "train/rewards/undesirable": 8, "train/kl": 8}
@@ -255,13 +258,13 @@ def test_orpo_main_from_base_runs_no_reference_forward(tokenizer, tmp_path, monk
     out = capsys.readouterr().out
     assert "loaded base model" in out and "orpo: no reference model" in out and "paper defaults beta 0.1" in out
     (record,) = common.read_report()
-    assert record["loss_type"] == "orpo"
+    assert record["loss_type"] == "orpo" and record["stage"] == "orpo"
     assert record["after/loss"] < record["before/loss"] and record["after/rewards/accuracy"] > 0.5
-    titles = [ax.get_title() for ax in report.stage_figure("dpo", record).axes]
+    titles = [ax.get_title() for ax in report.stage_figure("orpo", record).axes]
     assert "preference accuracy" in titles and "log-probabilities of the answers" in titles
     assert "KTO rewards and reference point" not in titles
-    _, _, meta = load_model(tmp_path / "checkpoints" / "dpo", "cpu")
-    assert meta["finished"] and meta["args"]["sft_weight"] == 0.0
+    _, _, meta = load_model(tmp_path / "checkpoints" / "orpo", "cpu")
+    assert meta["stage"] == "orpo" and meta["finished"] and meta["args"]["sft_weight"] == 0.0
 
 
 # -----------------------------------------------------------------------------
@@ -277,7 +280,7 @@ def test_torchrun_two_ranks_end_with_identical_weights(tokenizer, tmp_path, monk
     result, digests = torchrun_stage(tmp_path, "dpo", ["--preset", "tiny", "--loss", loss, "--ckpt", str(ckpt)]
                                      + DPO_ARGS[2:] + ["--epochs", "1"])
     assert digests[0] == digests[1]
-    final, _, meta = load_model(tmp_path / "home" / "checkpoints" / "dpo", "cpu")
+    final, _, meta = load_model(tmp_path / "home" / "checkpoints" / loss, "cpu")
     assert meta["finished"] and meta["args"]["loss_type"] == loss
     assert any(not torch.equal(a, b) for a, b in zip(final.state_dict().values(), initial.state_dict().values()))
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path / "home"))

@@ -246,7 +246,8 @@ def test_judge_labels_dpo_self_generated_pairs(fake, tmp_path):
     args = argparse.Namespace(pairs="self-generated", task="synthetic", train_pairs=12, eval_pairs=4, samples=4,
                               max_new_tokens=6, temperature=1.0, seed=0, decontaminate=False, preset="tiny",
                               loss_type="sigmoid", judge_url=server.url, judge_model="judge",
-                              judge_rubric=str(rubric), judge_timeout=5.0, judge_retries=0, judge_concurrency=4)
+                              judge_rubric=str(rubric), judge_timeout=5.0, judge_retries=0, judge_concurrency=4,
+                              judge_max_tokens=16)
     v = judge.judge_from_args(args, True, "")
     pairs, counts, _ = dpo.build_pairs(args, model, tokenizer, "train", 128, v)
     assert pairs and counts["verifier errors"] > 0
@@ -265,12 +266,13 @@ def test_rl_reward_judge_scores_training_rollouts_not_held_out_problems(fake, tm
     rubric = tmp_path / "rubric.json"
     rubric.write_text(json.dumps(RUBRIC))
     flags = ["--preset", "tiny", "--judge-url", server.url, "--judge-rubric", str(rubric)]
-    args = rl.parse_args(["--reward", "judge"] + flags)
+    args = rl.parse_args(["--reward", "judge", "--judge-max-tokens", "32"] + flags)
     train_task, test_task, _, _ = rollout.prepare_prompts(args, 1, rollout.reward_judge(args))
     conversation = train_task[0]
     assert train_task.reward(conversation, "anything") == 0.6  # graded: score / max_score
     assert len(server.bodies) == 1 and conversation["messages"][0]["content"] in server.bodies[0]["messages"][1][
         "content"]
+    assert server.bodies[0]["max_tokens"] == 32  # a judge of small context (serve.py's tiny model: 256) fits
     test_task.reward(test_task[0], "#### 1")  # the held-out problems keep their verifier
     assert len(server.bodies) == 1
     with pytest.raises(SystemExit):  # --reward judge without a judge
