@@ -350,13 +350,15 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
     of problems where it is.
 
     Returns {"correct": LongTensor (P,), "samples": n, "errors": int (verifier errors), "truncated": int
-    (completions that hit max_tokens), "pass@k": float and "maj@k" for each k}.
+    (completions that hit max_tokens), "formatted": int (completions with a final answer, tasks.extract_final_answer,
+    stopped or not), "pass@k": float and "maj@k" for each k}.
     """
     rank = get_dist_info()[1]
     device = next(engine.model.parameters()).device
     correct = torch.zeros(len(indices), dtype=torch.long, device=device)
     errors = torch.zeros((), dtype=torch.long, device=device)
     truncated = torch.zeros((), dtype=torch.long, device=device)
+    formatted = torch.zeros((), dtype=torch.long, device=device)
     maj_ks = [k for k in ks if k > 1]
     majority = torch.zeros(len(indices), len(maj_ks), dtype=torch.long, device=device)  # (P, ks): vote was right
     voted_on = torch.zeros((), dtype=torch.long, device=device)  # problems with a reference answer
@@ -376,6 +378,7 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
                 correct[p] += int(reward > 0)
                 errors += int(error)
                 truncated += int(completion.finish == "length")
+                formatted += int(extract_final_answer(text) is not None)
             reference = canonical_number(str(conversation.get("answer", "")))
             if maj_ks and reference is not None:
                 answers = [extract_final_answer(text) if completion.finish == "stop" else None
@@ -388,10 +391,12 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
         dist.all_reduce(correct)
         dist.all_reduce(errors)
         dist.all_reduce(truncated)
+        dist.all_reduce(formatted)
         dist.all_reduce(majority)
         dist.all_reduce(voted_on)
     correct = correct.cpu()
-    result = {"correct": correct, "samples": num_samples, "errors": int(errors), "truncated": int(truncated)}
+    result = {"correct": correct, "samples": num_samples, "errors": int(errors), "truncated": int(truncated),
+              "formatted": int(formatted)}
     for k in ks:
         result[f"pass@{k}"] = sum(report.pass_at_k(num_samples, int(c), k) for c in correct) / max(len(indices), 1)
     if int(voted_on):

@@ -150,6 +150,26 @@ def test_sft_replay_mixes_pretraining_text(tokenizer):
             sft.replay_rows_for(16, bad)
 
 
+def test_sft_replay_is_per_step_whatever_the_micro_batch_budget(tokenizer):
+    """A GPU's largest micro-batch and a CPU's small one replay the same rows: f of the step's rows, each as long as
+    the step's longest conversation, closing the step's last micro-batches."""
+    rows = [tokenizer.render_conversation(c) for c in conversations(16)]
+    length = max(len(ids) for ids, _ in rows)
+
+    def replayed(budget):
+        micro, _, replay_rows = sft.micro_batches_of(rows, 0, 16, budget, tokenizer.bos_id,
+                                                     sft.replay_tokens(tokenizer, "tiny"), 0.25)
+        assert sum(x.size(0) for x, _ in micro) == 16 + sft.replay_rows_for(16, 0.25) == 21
+        assert all(x.numel() <= budget for x, _ in micro)
+        assert replay_rows[-1] > 0 and all(r == 0 for r in replay_rows[:len(replay_rows) - sum(map(bool, replay_rows))])
+        return torch.cat([x[x.size(0) - r:] for (x, _), r in zip(micro, replay_rows) if r]), len(micro)
+
+    whole, one = replayed(21 * (length - 1))
+    small, many = replayed(2 * (length - 1))
+    assert one == 1 and many > 5
+    assert whole.shape == (5, length - 1) and torch.equal(whole, small)
+
+
 def save_base(home, tokenizer):
     model = make_model(tokenizer)
     common.save_checkpoint(home / "checkpoints" / "base", 1, model, {"stage": "base"}, tokenizer=tokenizer)
