@@ -404,6 +404,35 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
     return result
 
 
+def held_out_check(model, tokenizer, task_name, problems, samples, max_tokens, seed):
+    """
+    The check SFT and DPO run at their end, on `problems` held-out problems of task_name (tasks.task_by_name, 'test'):
+    of the greedy answers the fraction that stop by themselves (emit <|assistant_end|> within max_tokens), the
+    fraction in format (a '#### <number>' final answer) and pass@1; pass@1 at temperature 1 over `samples` samples per
+    problem (an answer that did not stop is not correct); the truncated samples and verifier errors of both.
+    """
+    engine = Engine(model, tokenizer)
+    task = task_by_name(task_name, "test", problems, seed)
+    indices = list(range(len(task)))
+    greedy = evaluate_generative(engine, task, indices, max_tokens=max_tokens, temperature=0.0, seed=seed)
+    sampled = evaluate_generative(engine, task, indices, num_samples=samples, max_tokens=max_tokens, temperature=1.0,
+                                  seed=seed)
+    return {"stop_rate": 1 - greedy["truncated"] / len(indices), "format_rate": greedy["formatted"] / len(indices),
+            "pass@1": greedy["pass@1"], "pass@1_t1": sampled["pass@1"],
+            "truncated": greedy["truncated"] + sampled["truncated"],  # samples that hit the budget: never correct
+            "verifier_errors": greedy["errors"] + sampled["errors"]}
+
+
+def check_settings(task_name, problems, samples, max_tokens, seed):
+    """
+    What fixes held_out_check's result for given weights: its arguments and the world size (it seeds each rank's
+    samples). A checkpoint stores them next to its check's numbers, so that the next stage, starting from the same
+    weights, can reuse the numbers instead of checking again (dpo.py's "before").
+    """
+    return {"task": task_name, "problems": problems, "samples": samples, "max_tokens": max_tokens, "seed": seed,
+            "world_size": get_dist_info()[3]}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Evaluate a checkpoint (bpb, multiple choice, pass@k) and render "
                                                  "the report card $NANOPOST_HOME/report.md.")

@@ -57,7 +57,7 @@ import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine, load_model
 from eval import PRESETS as EVAL_PRESETS
-from eval import evaluate_bpb, evaluate_generative, validation_batches
+from eval import check_settings, evaluate_bpb, evaluate_generative, held_out_check, validation_batches
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint, trainable_params)
 from rollout import mix_seed, preference_pairs
@@ -184,27 +184,6 @@ def evaluate_loss(model, batches, device):
     if dist.is_initialized():
         dist.all_reduce(sums)
     return (sums[0] / sums[1]).item()
-
-
-def generation_metrics(model, tokenizer, args, device):
-    """
-    On held-out synthetic problems, from the greedy answers: the fraction that stop by themselves (emit
-    <|assistant_end|> within --max-new-tokens) and the fraction in format (a '#### <number>' final answer); greedy
-    pass@1 and pass@1 at temperature 1 (an answer that did not stop is not correct: eval.evaluate_generative); the
-    counts of truncated samples and verifier errors.
-    """
-    engine = Engine(model, tokenizer)
-    task = SyntheticTask("test", size=args.check_problems, seed=args.seed)
-    indices = list(range(len(task)))
-    with autocast_ctx(device):
-        greedy = evaluate_generative(engine, task, indices, max_tokens=args.max_new_tokens, temperature=0.0,
-                                     seed=args.seed)
-        sampled = evaluate_generative(engine, task, indices, num_samples=args.check_samples,
-                                      max_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed)
-    return {"stop_rate": 1 - greedy["truncated"] / len(indices), "format_rate": greedy["formatted"] / len(indices),
-            "pass@1": greedy["pass@1"], "pass@1_t1": sampled["pass@1"],
-            "verifier_errors": greedy["errors"] + sampled["errors"],
-            "truncated": greedy["truncated"] + sampled["truncated"]}  # samples that hit the budget: never correct
 
 
 def micro_batches_of(rows, start, num, device_batch_tokens, pad_id, replay_stream=None, replay_frac=0.0):
@@ -565,9 +544,10 @@ def main(argv=None):
         if preempted:
             common.exit_preempted(out_dir)
 
+    check = held_out_check(model, tokenizer, "synthetic", args.check_problems, args.check_samples, args.max_new_tokens,
+                           args.seed)
     final = {"val_loss": evaluate_loss(model, val_batches, device),
-             "bpb": evaluate_bpb(model, bpb_batches, token_bytes, device),
-             **generation_metrics(model, tokenizer, args, device)}
+             "bpb": evaluate_bpb(model, bpb_batches, token_bytes, device), **check}
     print0(f"held-out loss {before['val_loss']:.4f} -> {final['val_loss']:.4f} | bpb {before['bpb']:.4f} -> "
            f"{final['bpb']:.4f} | format {final['format_rate']:.1%} | "
            f"stop {final['stop_rate']:.1%} | pass@1 greedy {final['pass@1']:.1%} | pass@1 T=1 {final['pass@1_t1']:.1%}")
@@ -576,6 +556,8 @@ def main(argv=None):
     common.check_ranks_agree(model, "sft")
     if rank == 0:
         meta = {"stage": "sft", "finished": True, "preset": args.preset, "args": vars(args), "metrics": final,
+                "check": {"settings": check_settings("synthetic", args.check_problems, args.check_samples,
+                                                     args.max_new_tokens, args.seed), "metrics": check},
                 "base_step": base_meta.get("step")}
         path = common.save_checkpoint(out_dir, num_steps, tokenizer=tokenizer, **lora_checkpoint(model, lora, meta))
         print0(f"saved {path}")

@@ -6,7 +6,6 @@ across ranks), skipped rows, and an end-to-end tiny run from a base checkpoint.
     torchrun --nproc_per_node=2 tests/test_sft.py      # the DDP check on its own (test_ddp_... runs it)
 """
 
-import argparse
 import json
 import math
 import os
@@ -23,7 +22,7 @@ import common
 from engine import load_model
 import sft
 import tasks
-from conftest import free_port, make_model, make_tokenizer, scripted_model
+from conftest import free_port, make_model, make_tokenizer
 
 
 
@@ -283,15 +282,3 @@ if __name__ == "__main__":
     ddp_check(sys.argv[1])
 
 
-def test_truncated_answer_is_not_correct_in_the_generation_check(tokenizer):
-    # A scripted model that answers "#### 24" and then ends its turn; 4 of the first 40 held-out problems are 24.
-    t = tokenizer.token_id
-    script = [t("<|assistant_start|>"), *tokenizer.encode("#### 24"), t("<|assistant_end|>")]
-    model = scripted_model(tokenizer, dict(zip(script[:-1], script[1:])), scale=2.0)
-    args = argparse.Namespace(check_problems=40, check_samples=2, max_new_tokens=len(script) - 2, seed=0)
-    cut = sft.generation_metrics(model, tokenizer, args, "cpu")  # the budget ends just before <|assistant_end|>
-    assert cut["format_rate"] == 1.0 and cut["stop_rate"] == 0.0  # the right text, in format, never finished
-    assert cut["pass@1"] == 0.0 and cut["pass@1_t1"] == 0.0 and cut["truncated"] >= 40
-    args.max_new_tokens += 1
-    stopped = sft.generation_metrics(model, tokenizer, args, "cpu")
-    assert stopped["pass@1"] == pytest.approx(4 / 40) and stopped["stop_rate"] == 1.0
