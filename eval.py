@@ -1,9 +1,10 @@
 """
-Evaluate a checkpoint; the report card (report.py) is re-rendered after each evaluation.
+Evaluate checkpoints; the report card (report.py) is re-rendered after each evaluation.
 
     python eval.py --stage base                               # tiny preset: validation bits per byte
     python eval.py --stage sft                                # + the synthetic task, greedy pass@1
     python eval.py --stage rl --num-samples 16 --k 1,4,16     # pass@k from 16 samples per problem (temperature 1)
+    python eval.py --stage base sft dpo rl                    # several checkpoints in one process (speedrun.sh)
     python eval.py --compare sft rl --num-samples 16          # coverage: did RL buy pass@1 with pass@k?
     python eval.py --report-only                              # re-render $NANOPOST_HOME/report.md (= python report.py)
     NANOPOST_DATA_DIR=data torchrun --nproc_per_node=8 eval.py --preset full --stage sft --tasks gsm8k,arc-easy,mmlu
@@ -438,7 +439,9 @@ def main(argv=None):
                                                  "the report card $NANOPOST_HOME/report.md.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="tiny: synthetic data only, small budgets; small (one GPU) and full: hub tasks")
-    parser.add_argument("--stage", choices=STAGES, default="sft", help="which checkpoint to evaluate (default sft)")
+    parser.add_argument("--stage", nargs="+", choices=STAGES, default=["sft"], metavar="STAGE",
+                        help=f"which checkpoints to evaluate, one after the other in one process: some of "
+                             f"{', '.join(STAGES)} (default sft)")
     parser.add_argument("--ckpt", default=None, help="checkpoint folder (default: $NANOPOST_HOME/checkpoints/<stage>)")
     parser.add_argument("--compare", nargs="+", default=None, metavar="STAGE",
                         help="evaluate several stages' checkpoints (e.g. --compare sft rl, or sft,rl) and print their "
@@ -472,7 +475,9 @@ def main(argv=None):
         print0(f"wrote {report.write_report()}")
         return
     preset = PRESETS[args.preset]
-    stages = [s for entry in args.compare for s in entry.split(",") if s] if args.compare else [args.stage]
+    stages = [s for entry in args.compare for s in entry.split(",") if s] if args.compare else args.stage
+    if args.ckpt and len(stages) > 1:
+        parser.error("--ckpt names the checkpoint of one stage; give one --stage with it")
     for stage in stages:
         if stage not in STAGES:
             parser.error(f"--compare: unknown stage {stage!r}; expected some of {', '.join(STAGES)}")

@@ -244,6 +244,15 @@ def test_bpb_of_a_uniform_model_is_log2_vocab_per_byte(tokenizer, tmp_path, monk
     expected = math.log2(tokenizer.vocab_size) * (num_bytes > 0).sum().item() / num_bytes.sum().item()
     assert common.read_report()[-1]["metrics"] == {"bpb": pytest.approx(expected, rel=1e-6)}
 
+    # Several stages in one process (speedrun.sh): one record each, in order; --ckpt names only one stage's checkpoint.
+    common.save_checkpoint(common.checkpoint_dir("sft"), 1, uniform, {}, tokenizer=tokenizer)
+    ev.main(["--stage", "base", "sft", "--tasks", "bpb", "--bpb-tokens", "2048", "--batch-size", "4", "--device",
+             "cpu"])
+    assert [(r["of"], r["metrics"]) for r in common.read_report()[-2:]] == [
+        ("base", {"bpb": pytest.approx(expected, rel=1e-6)}), ("sft", {"bpb": pytest.approx(expected, rel=1e-6)})]
+    with pytest.raises(SystemExit):
+        ev.main(["--stage", "base", "sft", "--ckpt", str(common.checkpoint_dir("sft"))])
+
 
 # -----------------------------------------------------------------------------
 # Multiple choice
