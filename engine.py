@@ -78,14 +78,10 @@ class KVCache:
         for layer in range(len(first.keys)):
             for name in ("keys", "values"):
                 src = getattr(first, name)[layer]  # (1, len(prompt 0), n_kv_head, head_dim)
-                # Not zero-filled (at 512 rows that is ~200 MB to write): slots from `filled` on are written before
-                # any step reads them; a shorter prompt's padding slots are masked out but zeroed, as a masked
-                # value that is not finite (NaN) would still turn its 0 attention weight into NaN.
-                store = src.new_empty(cache.lengths.size(0), max_len, *src.shape[2:])
+                store = src.new_zeros(cache.lengths.size(0), max_len, *src.shape[2:])
                 for i, p in enumerate(prefills):
-                    rows = slice(i * repeats, (i + 1) * repeats)
-                    store[rows, :cache.filled - p.filled] = 0
-                    store[rows, cache.filled - p.filled:cache.filled] = getattr(p, name)[layer][:, :p.filled]
+                    store[i * repeats:(i + 1) * repeats, cache.filled - p.filled:cache.filled] = \
+                        getattr(p, name)[layer][:, :p.filled]
                 getattr(cache, name)[layer] = store
         return cache
 
@@ -119,9 +115,9 @@ class KVCache:
         B, T = k.shape[:2]
         if self.filled + T > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} tokens per row; {self.filled} + {T} do not fit")
-        if self.keys[layer] is None:  # a fresh cache (filled = 0): every slot is written before it is read
-            self.keys[layer] = k.new_empty(B, self.max_len, *k.shape[2:])
-            self.values[layer] = v.new_empty(B, self.max_len, *v.shape[2:])
+        if self.keys[layer] is None:
+            self.keys[layer] = k.new_zeros(B, self.max_len, *k.shape[2:])
+            self.values[layer] = v.new_zeros(B, self.max_len, *v.shape[2:])
         S = self.filled + T
         self.keys[layer][:, self.filled:S] = k
         self.values[layer][:, self.filled:S] = v
