@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine, load_model
-from eval import evaluate_generative
+from eval import check_settings, held_out_check
 from judge import JudgedTask, add_judge_flags, judge_from_args
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint, trainable_params)
@@ -86,7 +86,8 @@ def resolve_loss_defaults(args):
 # full (8xH100, plan(): ~3 min for a depth-20 model): one epoch of UltraFeedback-binarized train_prefs (61k pairs, ~600
 # tokens a side): a reference pass (forward only) plus a policy pass over ~75M tokens; micro-batches of 32,768 padded
 # positions (8 pairs of 2,048-token sides at most) need ~61 GiB per GPU with chunked logits (model.training_memory);
-# tiny: 8,192 = 16 pairs of the 256-token context at their longest.
+# tiny: 1,024 = 2 pairs of the 256-token context at their longest: on a CPU, which pays per padded position and little
+# per micro-batch, the stage takes 105 s instead of 124 s at 8,192 on 2 idle cores, with the same metrics.
 # --pairs self-generated --task gsm8k instead samples 8 answers to each of the 7.5k GSM8K train problems (the
 # generation dominates: ~10 min) and keeps one correct/incorrect pair per problem that has both.
 PRESETS = {
@@ -95,7 +96,7 @@ PRESETS = {
     # model does not make. At 3x this rate without --sft-weight the chosen log-probs drift down and the final
     # '#### <answer>' line degenerates; with it, 94%. The rate is gentle on purpose, so that RL keeps headroom.
     "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=1024, eval_pairs=256, samples=8,
-                 temperature=1.0, beta=0.1, sft_weight=1.0, lr_frac=0.03, batch_size=32, device_batch_tokens=8192,
+                 temperature=1.0, beta=0.1, sft_weight=1.0, lr_frac=0.03, batch_size=32, device_batch_tokens=1024,
                  epochs=1, eval_every=5, check_problems=256, check_samples=4, max_new_tokens=64, save_every=5,
                  decontaminate=False),
     # small (one 24 GB GPU, ~5 min): 20k UltraFeedback pairs with sides of <= 1,024 tokens, the full preset's batch.
@@ -409,24 +410,6 @@ def preference_summary(stats, short=False):
     return line if short else line + f" | logp chosen {stats['logps/chosen']:.1f} rejected {stats['logps/rejected']:.1f}"
 
 
-def task_accuracy(model, tokenizer, args, device):
-    """
-    Held-out pass@1 of --task: greedy, and at temperature 1 (args.check_samples samples per problem); the samples
-    that hit --max-new-tokens (never correct) and the verifier errors, counted over both.
-    """
-    engine = Engine(model, tokenizer)
-    task = task_by_name(args.task, "test", args.check_problems, args.seed)
-    indices = list(range(len(task)))
-    with autocast_ctx(device):
-        greedy = evaluate_generative(engine, task, indices, max_tokens=args.max_new_tokens, temperature=0.0,
-                                     seed=args.seed)
-        sampled = evaluate_generative(engine, task, indices, num_samples=args.check_samples,
-                                      max_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed)
-    return {"pass@1": greedy["pass@1"], "pass@1_t1": sampled["pass@1"],
-            "truncated": greedy["truncated"] + sampled["truncated"],
-            "verifier_errors": greedy["errors"] + sampled["errors"]}
-
-
 def build_pairs(args, model, tokenizer, split, max_seq_len, judge=None):
     """
     This rank's share of the --pairs preference pairs of `split` (rollout.preference_pairs; decontaminated with
@@ -602,9 +585,13 @@ def main(argv=None):
             eval_ref = reference_logps(model, eval_pairs, args.device_batch_tokens, pad_id, device)  # (N_eval, 2)
     print0(f"data and reference ready in {time.time() - t0:.0f}s")
 
-    # The SFT model's scores; its preference margins are all 0 (policy = reference), so its accuracy is 0.
-    before = {**task_accuracy(model, tokenizer, args, device),
-              **evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device, eval_labels)}
+    # The SFT model's scores; its preference margins are all 0 (policy = reference), so its accuracy is 0. Its held-out
+    # check is the one sft.py ran on these weights at its end, stored in the checkpoint, when it ran the same check.
+    settings = check_settings(args.task, args.check_problems, args.check_samples, args.max_new_tokens, args.seed)
+    stored = sft_meta.get("check", {})
+    check = stored["metrics"] if stored.get("settings") == settings else held_out_check(
+        model, tokenizer, args.task, args.check_problems, args.check_samples, args.max_new_tokens, args.seed)
+    before = {**check, **evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device, eval_labels)}
     print0(f"before: held-out {args.task} pass@1 greedy {before['pass@1']:.1%}, T=1 {before['pass@1_t1']:.1%} | "
            f"pref loss {before['loss']:.4f}, {preference_summary(before)}")
 
@@ -677,7 +664,8 @@ def main(argv=None):
         if preempted:
             common.exit_preempted(out_dir)
 
-    after = {**task_accuracy(model, tokenizer, args, device),
+    after = {**held_out_check(model, tokenizer, args.task, args.check_problems, args.check_samples,
+                              args.max_new_tokens, args.seed),
              **evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device, eval_labels)}
     print0(f"after:  held-out {args.task} pass@1 greedy {before['pass@1']:.1%} -> {after['pass@1']:.1%}, "
            f"T=1 {before['pass@1_t1']:.1%} -> {after['pass@1_t1']:.1%} | pref loss {after['loss']:.4f}, "

@@ -1,9 +1,10 @@
 """
-Evaluate a checkpoint; the report card (report.py) is re-rendered after each evaluation.
+Evaluate checkpoints; the report card (report.py) is re-rendered after each evaluation.
 
     python eval.py --stage base                               # tiny preset: validation bits per byte
     python eval.py --stage sft                                # + the synthetic task, greedy pass@1
     python eval.py --stage rl --num-samples 16 --k 1,4,16     # pass@k from 16 samples per problem (temperature 1)
+    python eval.py --stage base sft dpo rl                    # several checkpoints in one process (speedrun.sh)
     python eval.py --compare sft rl --num-samples 16          # coverage: did RL buy pass@1 with pass@k?
     python eval.py --report-only                              # re-render $NANOPOST_HOME/report.md (= python report.py)
     NANOPOST_DATA_DIR=data torchrun --nproc_per_node=8 eval.py --preset full --stage sft --tasks gsm8k,arc-easy,mmlu
@@ -350,13 +351,15 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
     of problems where it is.
 
     Returns {"correct": LongTensor (P,), "samples": n, "errors": int (verifier errors), "truncated": int
-    (completions that hit max_tokens), "pass@k": float and "maj@k" for each k}.
+    (completions that hit max_tokens), "formatted": int (completions with a final answer, tasks.extract_final_answer,
+    stopped or not), "pass@k": float and "maj@k" for each k}.
     """
     rank = get_dist_info()[1]
     device = next(engine.model.parameters()).device
     correct = torch.zeros(len(indices), dtype=torch.long, device=device)
     errors = torch.zeros((), dtype=torch.long, device=device)
     truncated = torch.zeros((), dtype=torch.long, device=device)
+    formatted = torch.zeros((), dtype=torch.long, device=device)
     maj_ks = [k for k in ks if k > 1]
     majority = torch.zeros(len(indices), len(maj_ks), dtype=torch.long, device=device)  # (P, ks): vote was right
     voted_on = torch.zeros((), dtype=torch.long, device=device)  # problems with a reference answer
@@ -376,6 +379,7 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
                 correct[p] += int(reward > 0)
                 errors += int(error)
                 truncated += int(completion.finish == "length")
+                formatted += int(extract_final_answer(text) is not None)
             reference = canonical_number(str(conversation.get("answer", "")))
             if maj_ks and reference is not None:
                 answers = [extract_final_answer(text) if completion.finish == "stop" else None
@@ -388,10 +392,12 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
         dist.all_reduce(correct)
         dist.all_reduce(errors)
         dist.all_reduce(truncated)
+        dist.all_reduce(formatted)
         dist.all_reduce(majority)
         dist.all_reduce(voted_on)
     correct = correct.cpu()
-    result = {"correct": correct, "samples": num_samples, "errors": int(errors), "truncated": int(truncated)}
+    result = {"correct": correct, "samples": num_samples, "errors": int(errors), "truncated": int(truncated),
+              "formatted": int(formatted)}
     for k in ks:
         result[f"pass@{k}"] = sum(report.pass_at_k(num_samples, int(c), k) for c in correct) / max(len(indices), 1)
     if int(voted_on):
@@ -399,12 +405,43 @@ def evaluate_generative(engine, task, indices, num_samples=1, ks=(1,), max_token
     return result
 
 
+def held_out_check(model, tokenizer, task_name, problems, samples, max_tokens, seed):
+    """
+    The check SFT and DPO run at their end, on `problems` held-out problems of task_name (tasks.task_by_name, 'test'):
+    of the greedy answers the fraction that stop by themselves (emit <|assistant_end|> within max_tokens), the
+    fraction in format (a '#### <number>' final answer) and pass@1; pass@1 at temperature 1 over `samples` samples per
+    problem (an answer that did not stop is not correct); the truncated samples and verifier errors of both.
+    """
+    engine = Engine(model, tokenizer)
+    task = task_by_name(task_name, "test", problems, seed)
+    indices = list(range(len(task)))
+    greedy = evaluate_generative(engine, task, indices, max_tokens=max_tokens, temperature=0.0, seed=seed)
+    sampled = evaluate_generative(engine, task, indices, num_samples=samples, max_tokens=max_tokens, temperature=1.0,
+                                  seed=seed)
+    return {"stop_rate": 1 - greedy["truncated"] / len(indices), "format_rate": greedy["formatted"] / len(indices),
+            "pass@1": greedy["pass@1"], "pass@1_t1": sampled["pass@1"],
+            "truncated": greedy["truncated"] + sampled["truncated"],  # samples that hit the budget: never correct
+            "verifier_errors": greedy["errors"] + sampled["errors"]}
+
+
+def check_settings(task_name, problems, samples, max_tokens, seed):
+    """
+    What fixes held_out_check's result for given weights: its arguments and the world size (it seeds each rank's
+    samples). A checkpoint stores them next to its check's numbers, so that the next stage, starting from the same
+    weights, can reuse the numbers instead of checking again (dpo.py's "before").
+    """
+    return {"task": task_name, "problems": problems, "samples": samples, "max_tokens": max_tokens, "seed": seed,
+            "world_size": get_dist_info()[3]}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Evaluate a checkpoint (bpb, multiple choice, pass@k) and render "
                                                  "the report card $NANOPOST_HOME/report.md.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                         help="tiny: synthetic data only, small budgets; small (one GPU) and full: hub tasks")
-    parser.add_argument("--stage", choices=STAGES, default="sft", help="which checkpoint to evaluate (default sft)")
+    parser.add_argument("--stage", nargs="+", choices=STAGES, default=["sft"], metavar="STAGE",
+                        help=f"which checkpoints to evaluate, one after the other in one process: some of "
+                             f"{', '.join(STAGES)} (default sft)")
     parser.add_argument("--ckpt", default=None, help="checkpoint folder (default: $NANOPOST_HOME/checkpoints/<stage>)")
     parser.add_argument("--compare", nargs="+", default=None, metavar="STAGE",
                         help="evaluate several stages' checkpoints (e.g. --compare sft rl, or sft,rl) and print their "
@@ -438,7 +475,9 @@ def main(argv=None):
         print0(f"wrote {report.write_report()}")
         return
     preset = PRESETS[args.preset]
-    stages = [s for entry in args.compare for s in entry.split(",") if s] if args.compare else [args.stage]
+    stages = [s for entry in args.compare for s in entry.split(",") if s] if args.compare else args.stage
+    if args.ckpt and len(stages) > 1:
+        parser.error("--ckpt names the checkpoint of one stage; give one --stage with it")
     for stage in stages:
         if stage not in STAGES:
             parser.error(f"--compare: unknown stage {stage!r}; expected some of {', '.join(STAGES)}")

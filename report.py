@@ -11,7 +11,9 @@ per stage of its training curves (STAGE_PANELS) and the pass@k curves.
 """
 
 import argparse
+import hashlib
 import io
+import json
 import math
 import os
 import platform
@@ -486,25 +488,41 @@ def draw_plots(records, out_dir):
     PNG plots for the report, written to out_dir: each stage's training curves (stage_figure, latest run of the
     stage) and, per generative task, the pass@k curves of the evaluated stages. Returns {name: path}, or None when
     matplotlib is not installed (it is optional).
+    A plot is drawn again only when what it shows changed: out_dir/drawn.json keeps, per plot, a hash of its data and
+    of this file (drawing a figure takes ~0.7 s on a CPU, and every eval.py run re-renders the report).
     """
     plt = pyplot()
     if plt is None:
         return None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    drawn_path = out_dir / "drawn.json"
+    drawn = json.loads(drawn_path.read_text()) if drawn_path.exists() else {}
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
     plots = {}
+
+    def stale(name, data):
+        """Record `name`'s path in plots; True when its PNG must be drawn (missing, or drawn from other data)."""
+        plots[name] = out_dir / f"{name}.png"
+        key = hashlib.sha256((code + json.dumps(data, sort_keys=True, default=float)).encode()).hexdigest()
+        fresh = drawn.get(name) == key and plots[name].exists()
+        drawn[name] = key
+        return not fresh
+
     for stage, record in latest_stage_records(records).items():
+        if not curves_of(record) or not stale(stage, record):
+            continue
         fig = stage_figure(stage, record)
         if fig is None:
+            del plots[stage], drawn[stage]
             continue
-        plots[stage] = out_dir / f"{stage}.png"
         save_png(fig, plots[stage], dpi=80)
         plt.close(fig)
     evals = merged_evals(records)
     for task in dict.fromkeys(task for entry in evals.values() for task in entry["coverage"]):
         sampled = [(stage, entry["coverage"][task]) for stage, entry in evals.items()
                    if task in entry["coverage"] and entry["coverage"][task]["samples"] > 1]
-        if not sampled:  # greedy single samples only: no pass@k curve to draw
+        if not sampled or not stale(f"coverage-{task}", sampled):  # greedy single samples only: no pass@k curve
             continue
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for stage, counts in sampled:
@@ -517,9 +535,9 @@ def draw_plots(records, out_dir):
         ax.set_title(f"{task}: pass@k averaged over problems")
         ax.legend()
         fig.tight_layout()
-        plots[f"coverage-{task}"] = out_dir / f"coverage-{task}.png"
         save_png(fig, plots[f"coverage-{task}"], dpi=100)
         plt.close(fig)
+    drawn_path.write_text(json.dumps(drawn, indent=1))
     return plots
 
 

@@ -16,7 +16,7 @@ The loss of an optimizer step is the mean over every trained token of the step, 
 problems in format (a single '#### <number>' line), stops by itself, and gets them right, and the bits per byte
 of the pretraining validation text (eval.evaluate_bpb, the same text and tokens as the base checkpoint's val bpb).
 
-Replay (--replay-frac): a fraction of every micro-batch's rows are pretraining text, trained on every token as in
+Replay (--replay-frac): a fraction of every step's rows are pretraining text, trained on every token as in
 pretraining (add_replay), so that SFT does not erase what the base model knows about plain text; nanochat's
 mid-training mixes in pretraining-style data for the same reason. Measured on the tiny preset (one run each,
 seed 0, the same base checkpoint; python sft.py --preset tiny --replay-frac F on 2 shared CPU cores):
@@ -57,22 +57,24 @@ import common
 from common import autocast_ctx, compute_cleanup, compute_init, format_eta, print0
 from engine import Engine, load_model
 from eval import PRESETS as EVAL_PRESETS
-from eval import completion_text, evaluate_bpb, evaluate_generative, validation_batches
+from eval import check_settings, evaluate_bpb, evaluate_generative, held_out_check, validation_batches
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint, trainable_params)
 from rollout import mix_seed, preference_pairs
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
-                   decontamination_index, extract_final_answer, prepare_rows, pretraining_batches, pretraining_texts,
+                   decontamination_index, prepare_rows, pretraining_batches, pretraining_texts,
                    row_texts, task_by_name, token_budget_batches)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, plan(): ~6 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k
 # conversations, ~200M tokens with padding) plus two of GSM8K train (15k); about 6 * N * tokens = 7e17 FLOPs at an
 # assumed 25% MFU, plus the final generation check. Micro-batches of 32,768 padded positions (16 rows of
-# 2,048) need ~61 GiB per GPU with chunked logits (model.training_memory). tiny: 4,096 = 16 rows of the 256-token
-# context at their longest.
+# 2,048) need ~61 GiB per GPU with chunked logits (model.training_memory). tiny: 1,024 = 4 rows of the 256-token
+# context at their longest. A CPU pays per position, padding included, and little per micro-batch: the step's 32
+# conversations sorted into 2-3 micro-batches are 7% padding instead of ~45% in one of 4,096, and the stage takes
+# 117 s instead of 132 s on 2 idle cores, with the same loss and metrics (backward_sft_loss: one mean per step).
 PRESETS = {
-    "tiny": dict(train_rows=4000, num_steps=None, batch_size=32, device_batch_tokens=4096, lr_frac=0.5, eval_every=25,
+    "tiny": dict(train_rows=4000, num_steps=None, batch_size=32, device_batch_tokens=1024, lr_frac=0.5, eval_every=25,
                  eval_rows=256, check_problems=256, check_samples=4, max_new_tokens=64, save_every=25, replay_frac=0.1,
                  decontaminate=False),
     # small (one 24 GB GPU, ~10 min): 50k SmolTalk conversations of <= 1,024 tokens + GSM8K, the full preset's
@@ -184,64 +186,23 @@ def evaluate_loss(model, batches, device):
     return (sums[0] / sums[1]).item()
 
 
-def format_check(engine, task, indices, max_tokens, device):
-    """
-    Greedy answers to task[i], i in `indices`: the fraction that stop by themselves (emit <|assistant_end|>
-    within max_tokens) and the fraction in format (exactly one '#### <number>' final answer). Rows are split
-    over DDP ranks and the counts summed. Returns {"stop_rate", "format_rate"}.
-    """
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = indices[rank::world_size]
-    counts = torch.zeros(2, dtype=torch.long, device=device)  # (stopped, in format)
-    if mine:
-        prompts = [engine.tokenizer.render_for_completion(task[i]) for i in mine]
-        with autocast_ctx(device):
-            results = engine.generate(prompts, num_samples=1, max_tokens=max_tokens, temperature=0.0)
-        for (completion,) in results:
-            counts[0] += int(completion.finish == "stop")
-            counts[1] += int(extract_final_answer(completion_text(engine.tokenizer, completion)) is not None)
-    if dist.is_initialized():
-        dist.all_reduce(counts)
-    return {"stop_rate": counts[0].item() / len(indices), "format_rate": counts[1].item() / len(indices)}
-
-
-def generation_metrics(model, tokenizer, args, device):
-    """
-    Format and stop rates, greedy pass@1 and pass@1 at temperature 1 on held-out synthetic problems (an answer that
-    did not stop is not correct: eval.evaluate_generative), and the counts of truncated samples and verifier errors.
-    """
-    engine = Engine(model, tokenizer)
-    task = SyntheticTask("test", size=args.check_problems, seed=args.seed)
-    indices = list(range(len(task)))
-    metrics = format_check(engine, task, indices, args.max_new_tokens, device)
-    with autocast_ctx(device):
-        greedy = evaluate_generative(engine, task, indices, max_tokens=args.max_new_tokens, temperature=0.0,
-                                     seed=args.seed)
-        sampled = evaluate_generative(engine, task, indices, num_samples=args.check_samples,
-                                      max_tokens=args.max_new_tokens, temperature=1.0, seed=args.seed)
-    metrics["pass@1"] = greedy["pass@1"]
-    metrics["pass@1_t1"] = sampled["pass@1"]
-    metrics["verifier_errors"] = greedy["errors"] + sampled["errors"]
-    metrics["truncated"] = greedy["truncated"] + sampled["truncated"]  # samples that hit the budget: never correct
-    return metrics
-
-
 def micro_batches_of(rows, start, num, device_batch_tokens, pad_id, replay_stream=None, replay_frac=0.0):
     """
-    The collated micro-batches of rows[start : start + num] (wrapping around the end: another epoch), sorted by
-    length and cut into micro-batches of at most device_batch_tokens padded positions; the fraction of those
-    positions that are padding; and the number of replay rows at the end of each micro-batch. With replay
-    (replay_stream from replay_tokens, replay_frac > 0) the conversations get (1 - replay_frac) of the budget and
-    add_replay fills the rest with pretraining rows as long as the longest conversation (rounding may add a row).
+    The collated micro-batches of one step: rows[start : start + num] (wrapping around the end: another epoch) and,
+    with replay (replay_stream from replay_tokens, replay_frac > 0), the step's replay rows (add_replay), sorted by
+    length and cut into micro-batches of at most device_batch_tokens padded positions. The replay rows are decided
+    per step, not per micro-batch, so how many there are and how long does not depend on the budget (the largest
+    micro-batch a GPU fits, or a CPU's smaller one). Returns the micro-batches, the fraction of their positions that
+    is padding, and the number of replay rows at the end of each micro-batch.
     """
     take = [rows[(start + i) % len(rows)] for i in range(num)]
-    budget = int(device_batch_tokens * (1 - replay_frac)) if replay_stream else device_batch_tokens
-    batches, padding = token_budget_batches([[len(ids) - 1] for ids, _ in take], budget)
-    chunks = [[take[i] for i in batch] for batch in batches]
-    replay_rows = [replay_rows_for(len(chunk), replay_frac) if replay_stream else 0 for chunk in chunks]
     if replay_stream:
-        chunks = [add_replay(chunk, replay_stream, replay_frac) for chunk in chunks]
-    return [collate(chunk, pad_id) for chunk in chunks], padding, replay_rows
+        take = add_replay(take, replay_stream, replay_frac)
+    # A stable sort by length: the replay rows, as long as the longest conversation and after it in `take`, are the
+    # last rows of the step, so they close the micro-batches they fall in.
+    batches, padding = token_budget_batches([[len(ids) - 1] for ids, _ in take], device_batch_tokens)
+    replay_rows = [sum(i >= num for i in batch) for batch in batches]
+    return [collate([take[i] for i in batch], pad_id) for batch in batches], padding, replay_rows
 
 
 def replay_tokens(tokenizer, preset, rank=0, world_size=1, skip=0):
@@ -266,7 +227,7 @@ def replay_tokens(tokenizer, preset, rank=0, world_size=1, skip=0):
 
 
 def replay_rows_for(num_rows, replay_frac):
-    """Replay rows added to a micro-batch of num_rows conversations: round(f / (1 - f) * num_rows), so f of all rows."""
+    """Replay rows added to a step of num_rows conversations: round(f / (1 - f) * num_rows), so f of all rows."""
     if not 0 <= replay_frac < 1:
         raise ValueError(f"--replay-frac must be in [0, 1); got {replay_frac}")
     return round(replay_frac / (1 - replay_frac) * num_rows)
@@ -276,7 +237,7 @@ def add_replay(rows, stream, replay_frac):
     """
     rows + replay_rows_for(len(rows), replay_frac) rows of pretraining text read from the token iterator `stream`
     (replay_tokens). Each replay row is as long as the longest conversation of `rows`, so it adds no padding to
-    the micro-batch, and its mask is all ones: the loss covers every token, as in pretraining. The step's loss
+    the micro-batch it lands in (with the longest conversations), and its mask is all ones: the loss covers every token, as in pretraining. The step's loss
     stays one mean over all trained tokens (backward_sft_loss), replay tokens included.
     """
     length = max(len(ids) for ids, _ in rows)
@@ -402,7 +363,7 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, help="longest answer generated in the check")
     parser.add_argument("--save-every", type=int, help="save a resumable checkpoint every this many steps (0: never)")
     parser.add_argument("--replay-frac", type=float,
-                        help="fraction of each micro-batch's rows that are pretraining text, trained on every token, "
+                        help="fraction of each step's rows that are pretraining text, trained on every token, "
                              "against forgetting it (0: none; default: the preset's, measured, see the docstring)")
     parser.add_argument("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
                         help="drop training rows that overlap an evaluation set in use (tasks.NgramIndex: a shared "
@@ -501,8 +462,8 @@ def main(argv=None):
            f"{args.device_batch_tokens:,} padded tokens), {sum(s[3] for s in shares)} held-out conversations; one pass "
            f"is {tokens:,} tokens, ~{model.flops_per_token() * tokens:.1e} FLOPs")
     if args.replay_frac:
-        print0(f"replay: {args.replay_frac:.0%} of each micro-batch's rows are pretraining text (--replay-frac), "
-               "as long as its longest conversation; the conversations get the rest of the token budget")
+        print0(f"replay: {args.replay_frac:.0%} of each step's rows are pretraining text (--replay-frac), as long as "
+               "its longest conversation")
     # bpb of the pretraining validation text, as eval.py and pretrain.py measure it: what SFT costs in plain text.
     token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.long)
     bpb_rows = max(args.device_batch_tokens // model.config.sequence_len, 1)
@@ -583,9 +544,10 @@ def main(argv=None):
         if preempted:
             common.exit_preempted(out_dir)
 
+    check = held_out_check(model, tokenizer, "synthetic", args.check_problems, args.check_samples, args.max_new_tokens,
+                           args.seed)
     final = {"val_loss": evaluate_loss(model, val_batches, device),
-             "bpb": evaluate_bpb(model, bpb_batches, token_bytes, device),
-             **generation_metrics(model, tokenizer, args, device)}
+             "bpb": evaluate_bpb(model, bpb_batches, token_bytes, device), **check}
     print0(f"held-out loss {before['val_loss']:.4f} -> {final['val_loss']:.4f} | bpb {before['bpb']:.4f} -> "
            f"{final['bpb']:.4f} | format {final['format_rate']:.1%} | "
            f"stop {final['stop_rate']:.1%} | pass@1 greedy {final['pass@1']:.1%} | pass@1 T=1 {final['pass@1_t1']:.1%}")
@@ -594,6 +556,8 @@ def main(argv=None):
     common.check_ranks_agree(model, "sft")
     if rank == 0:
         meta = {"stage": "sft", "finished": True, "preset": args.preset, "args": vars(args), "metrics": final,
+                "check": {"settings": check_settings("synthetic", args.check_problems, args.check_samples,
+                                                     args.max_new_tokens, args.seed), "metrics": check},
                 "base_step": base_meta.get("step")}
         path = common.save_checkpoint(out_dir, num_steps, tokenizer=tokenizer, **lora_checkpoint(model, lora, meta))
         print0(f"saved {path}")

@@ -93,9 +93,7 @@ if [ "${1:-}" = "--rlhf" ]; then
   # accuracy follows it (README: "RL from a reward model"), and short enough for the 15-minute budget.
   python rl.py --preset tiny --resume --ckpt "$CK/sft" --out "$CK/rlhf" --reward rm --rm-ckpt "$CK/rm" \
     --num-steps 12 --eval-every 12 --prompts-per-step 8 --eval-problems 128 --eval-samples 4 --lr-frac 0.25
-  for STAGE in sft rlhf; do
-    python eval.py --preset tiny --stage "$STAGE" --num-samples 4 --k 1,4 --tasks synthetic --max-problems 128
-  done
+  python eval.py --preset tiny --stage sft rlhf --num-samples 4 --k 1,4 --tasks synthetic --max-problems 128
   echo "speedrun --rlhf: done. Report card: $NANOPOST_HOME/report.md"
   exit 0
 fi
@@ -127,10 +125,7 @@ run_chain() {
   "${LIMIT[@]}" "${LAUNCH[@]}" dpo.py "${STAGE_FLAGS[@]}"
   "${LIMIT[@]}" "${LAUNCH[@]}" rl.py "${STAGE_FLAGS[@]}"
   # Every checkpoint on its held-out tasks, then the coverage view: does RL's pass@1 gain cost pass@k?
-  local stage
-  for stage in base sft dpo rl; do
-    "${LIMIT[@]}" "${LAUNCH[@]}" eval.py --preset "$PRESET" --stage "$stage"
-  done
+  "${LIMIT[@]}" "${LAUNCH[@]}" eval.py --preset "$PRESET" --stage base sft dpo rl
   local coverage_task
   coverage_task=$([ "$PRESET" = tiny ] && echo synthetic || echo gsm8k)
   "${LIMIT[@]}" "${LAUNCH[@]}" eval.py --preset "$PRESET" --compare sft rl --num-samples 8 --k 1,8 \

@@ -15,6 +15,7 @@ import dpo
 import rollout
 import tasks
 from engine import Engine, load_model
+import eval as ev
 from eval import completion_text
 from conftest import ends_turn_sometimes, make_model, make_tokenizer
 
@@ -328,6 +329,27 @@ def test_main_tiny_improves_held_out_preferences_and_live_reference_agrees(token
     live_state, _, _ = common.load_checkpoint(tmp_path / "live")
     for key in state:
         torch.testing.assert_close(live_state[key], state[key], rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_before_reuses_the_sft_checkpoints_own_check_only_when_it_ran_the_same_check(tokenizer, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    stored = {"stop_rate": 1.0, "format_rate": 1.0, "pass@1": 0.123, "pass@1_t1": 0.456, "truncated": 0,
+              "verifier_errors": 0}
+    check = {"settings": ev.check_settings("synthetic", 4, 1, 8, 0), "metrics": stored}  # DPO_ARGS's check
+    common.save_checkpoint(tmp_path / "checkpoints" / "sft", 1, make_model(tokenizer),
+                           {"stage": "sft", "check": check}, tokenizer=tokenizer)
+    calls = []
+    monkeypatch.setattr(dpo, "held_out_check", lambda *a: calls.append(a) or ev.held_out_check(*a))
+    args = DPO_ARGS + ["--epochs", "1"]  # the last flag wins: one epoch, 2 steps
+    dpo.main(args)
+    record = common.read_report()[-1]
+    assert len(calls) == 1  # the "after" check only
+    assert {key: record[f"before/{key}"] for key in stored} == stored
+
+    dpo.main(args + ["--check-samples", "2", "--out", str(tmp_path / "other")])  # another check: run it
+    record = common.read_report()[-1]
+    assert len(calls) == 3 and record["before/pass@1"] != 0.123
 
 
 def test_full_preset_runs_on_stand_in_hub_data(tokenizer, tmp_path, monkeypatch, capsys):

@@ -12,9 +12,9 @@ import torch
 
 import common
 import engine
+import eval as ev
 import rl
 import rollout
-import sft
 import tasks
 from conftest import make_model, make_tokenizer, scripted_model
 from test_rl import LengthParity
@@ -67,14 +67,13 @@ class AnswersAlternate:
         return tasks.exact_match_reward(completion, conversation["answer"])
 
 
-def test_sft_generation_check_on_a_model_that_always_answers_5(tokenizer, monkeypatch):
+def test_held_out_check_on_a_model_that_always_answers_5(tokenizer, monkeypatch):
     t = tokenizer.token_id
     hashes, space, five = tokenizer.encode("#### 5")
     script = [t("<|assistant_start|>"), hashes, space, five, t("<|assistant_end|>")]
     model = scripted_model(tokenizer, dict(zip(script, script[1:])), scale=3.0)  # p(script) > 0.999 per token
-    monkeypatch.setattr(sft, "SyntheticTask", AnswersAlternate)
-    args = type("Args", (), dict(check_problems=8, seed=0, max_new_tokens=8, check_samples=4))
-    metrics = sft.generation_metrics(model, tokenizer, args, "cpu")
+    monkeypatch.setattr(ev, "task_by_name", lambda name, split, size, seed: AnswersAlternate(split, size, seed))
+    metrics = ev.held_out_check(model, tokenizer, "synthetic", 8, 4, 8, 0)
     assert metrics["stop_rate"] == metrics["format_rate"] == 1.0
     assert metrics["pass@1"] == 0.5  # greedy: right on the 4 problems whose answer is 5
     assert metrics["pass@1_t1"] == pytest.approx(0.5, abs=0.05)

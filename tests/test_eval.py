@@ -244,6 +244,15 @@ def test_bpb_of_a_uniform_model_is_log2_vocab_per_byte(tokenizer, tmp_path, monk
     expected = math.log2(tokenizer.vocab_size) * (num_bytes > 0).sum().item() / num_bytes.sum().item()
     assert common.read_report()[-1]["metrics"] == {"bpb": pytest.approx(expected, rel=1e-6)}
 
+    # Several stages in one process (speedrun.sh): one record each, in order; --ckpt names only one stage's checkpoint.
+    common.save_checkpoint(common.checkpoint_dir("sft"), 1, uniform, {}, tokenizer=tokenizer)
+    ev.main(["--stage", "base", "sft", "--tasks", "bpb", "--bpb-tokens", "2048", "--batch-size", "4", "--device",
+             "cpu"])
+    assert [(r["of"], r["metrics"]) for r in common.read_report()[-2:]] == [
+        ("base", {"bpb": pytest.approx(expected, rel=1e-6)}), ("sft", {"bpb": pytest.approx(expected, rel=1e-6)})]
+    with pytest.raises(SystemExit):
+        ev.main(["--stage", "base", "sft", "--ckpt", str(common.checkpoint_dir("sft"))])
+
 
 # -----------------------------------------------------------------------------
 # Multiple choice
@@ -452,3 +461,15 @@ def test_truncated_answer_is_not_correct_in_pass_at_k(tokenizer):
     stopped = ev.evaluate_generative(engine, task, indices, num_samples=2, ks=(1, 2), max_tokens=budget + 1,
                                      temperature=0.0, batch_size=16)
     assert stopped["correct"].tolist() == expected_correct(2) and stopped["truncated"] == 0
+
+
+def test_truncated_answer_is_not_correct_in_the_held_out_check(tokenizer):
+    # A scripted model that answers "#### 24" and then ends its turn; 4 of the first 40 held-out problems are 24.
+    t = tokenizer.token_id
+    script = [t("<|assistant_start|>"), *tokenizer.encode("#### 24"), t("<|assistant_end|>")]
+    model = scripted_model(tokenizer, dict(zip(script[:-1], script[1:])), scale=2.0)
+    cut = ev.held_out_check(model, tokenizer, "synthetic", 40, 2, len(script) - 2, 0)  # ends before <|assistant_end|>
+    assert cut["format_rate"] == 1.0 and cut["stop_rate"] == 0.0  # the right text, in format, never finished
+    assert cut["pass@1"] == 0.0 and cut["pass@1_t1"] == 0.0 and cut["truncated"] >= 40
+    stopped = ev.held_out_check(model, tokenizer, "synthetic", 40, 2, len(script) - 1, 0)
+    assert stopped["pass@1"] == pytest.approx(4 / 40) and stopped["stop_rate"] == 1.0

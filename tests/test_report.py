@@ -81,6 +81,27 @@ def test_report_plots(home):
     assert "Plots skipped" not in card
 
 
+def test_report_draws_a_plot_again_only_when_its_data_changed(home, monkeypatch):
+    pytest.importorskip("matplotlib")
+    saved = []
+    real_save = report.save_png
+    monkeypatch.setattr(report, "save_png", lambda fig, path, dpi: saved.append(path.name) or real_save(fig, path, dpi))
+    report.write_report()
+    assert sorted(saved) == ["base.png", "coverage-synthetic.png", "sft.png"]
+    saved.clear()
+    report.write_report()  # nothing new: every PNG is kept
+    assert saved == []
+    with open(home / "report.jsonl", "a") as f:  # a new SFT run and a new sampled evaluation of rl
+        f.write(json.dumps({**RECORDS[2], "time": "2025-01-01 11:00:00"}) + "\n")
+        f.write(json.dumps({**RECORDS[5], "coverage": {"synthetic": {"samples": 4, "correct": [4, 4, 4, 0]}}}) + "\n")
+    report.write_report()
+    assert sorted(saved) == ["coverage-synthetic.png", "sft.png"]
+    saved.clear()
+    (home / "report_plots" / "base.png").unlink()  # a PNG that went missing is drawn again
+    report.write_report()
+    assert saved == ["base.png"]
+
+
 def test_curves_and_scalars_of_a_record():
     record = RECORDS[3]
     assert report.curves_of(record) == {"train/loss": ([1, 100, 200], [7.5, 2.9, 2.0]),

@@ -6,7 +6,6 @@ across ranks), skipped rows, and an end-to-end tiny run from a base checkpoint.
     torchrun --nproc_per_node=2 tests/test_sft.py      # the DDP check on its own (test_ddp_... runs it)
 """
 
-import argparse
 import json
 import math
 import os
@@ -23,7 +22,7 @@ import common
 from engine import load_model
 import sft
 import tasks
-from conftest import free_port, make_model, make_tokenizer, scripted_model
+from conftest import free_port, make_model, make_tokenizer
 
 
 
@@ -150,6 +149,26 @@ def test_sft_replay_mixes_pretraining_text(tokenizer):
             sft.replay_rows_for(16, bad)
 
 
+def test_sft_replay_is_per_step_whatever_the_micro_batch_budget(tokenizer):
+    """A GPU's largest micro-batch and a CPU's small one replay the same rows: f of the step's rows, each as long as
+    the step's longest conversation, closing the step's last micro-batches."""
+    rows = [tokenizer.render_conversation(c) for c in conversations(16)]
+    length = max(len(ids) for ids, _ in rows)
+
+    def replayed(budget):
+        micro, _, replay_rows = sft.micro_batches_of(rows, 0, 16, budget, tokenizer.bos_id,
+                                                     sft.replay_tokens(tokenizer, "tiny"), 0.25)
+        assert sum(x.size(0) for x, _ in micro) == 16 + sft.replay_rows_for(16, 0.25) == 21
+        assert all(x.numel() <= budget for x, _ in micro)
+        assert replay_rows[-1] > 0 and all(r == 0 for r in replay_rows[:len(replay_rows) - sum(map(bool, replay_rows))])
+        return torch.cat([x[x.size(0) - r:] for (x, _), r in zip(micro, replay_rows) if r]), len(micro)
+
+    whole, one = replayed(21 * (length - 1))
+    small, many = replayed(2 * (length - 1))
+    assert one == 1 and many > 5
+    assert whole.shape == (5, length - 1) and torch.equal(whole, small)
+
+
 def save_base(home, tokenizer):
     model = make_model(tokenizer)
     common.save_checkpoint(home / "checkpoints" / "base", 1, model, {"stage": "base"}, tokenizer=tokenizer)
@@ -263,15 +282,3 @@ if __name__ == "__main__":
     ddp_check(sys.argv[1])
 
 
-def test_truncated_answer_is_not_correct_in_the_generation_check(tokenizer):
-    # A scripted model that answers "#### 24" and then ends its turn; 4 of the first 40 held-out problems are 24.
-    t = tokenizer.token_id
-    script = [t("<|assistant_start|>"), *tokenizer.encode("#### 24"), t("<|assistant_end|>")]
-    model = scripted_model(tokenizer, dict(zip(script[:-1], script[1:])), scale=2.0)
-    args = argparse.Namespace(check_problems=40, check_samples=2, max_new_tokens=len(script) - 2, seed=0)
-    cut = sft.generation_metrics(model, tokenizer, args, "cpu")  # the budget ends just before <|assistant_end|>
-    assert cut["format_rate"] == 1.0 and cut["stop_rate"] == 0.0  # the right text, in format, never finished
-    assert cut["pass@1"] == 0.0 and cut["pass@1_t1"] == 0.0 and cut["truncated"] >= 40
-    args.max_new_tokens += 1
-    stopped = sft.generation_metrics(model, tokenizer, args, "cpu")
-    assert stopped["pass@1"] == pytest.approx(4 / 40) and stopped["stop_rate"] == 1.0
