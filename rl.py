@@ -1,7 +1,7 @@
 """
 Reinforcement learning from verifiable rewards: the GRPO family, one loop, every knob of 2024-2026 as a flag.
 
-    python rl.py --preset tiny                                  # CPU, synthetic arithmetic, ~10 minutes
+    python rl.py --preset tiny                                  # CPU, synthetic arithmetic, ~2 minutes
     python rl.py --preset small                                 # GSM8K, depth 8, on one 24 GB GPU
     torchrun --nproc_per_node=8 rl.py --preset full             # one node, 8 GPUs
     torchrun --nnodes=2 --nproc_per_node=8 --node-rank=0 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \

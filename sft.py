@@ -237,8 +237,9 @@ def add_replay(rows, stream, replay_frac):
     """
     rows + replay_rows_for(len(rows), replay_frac) rows of pretraining text read from the token iterator `stream`
     (replay_tokens). Each replay row is as long as the longest conversation of `rows`, so it adds no padding to
-    the micro-batch it lands in (with the longest conversations), and its mask is all ones: the loss covers every token, as in pretraining. The step's loss
-    stays one mean over all trained tokens (backward_sft_loss), replay tokens included.
+    the micro-batch it lands in (with the longest conversations), and its mask is all ones: the loss covers every
+    token, as in pretraining. The step's loss stays one mean over all trained tokens (backward_sft_loss), replay
+    tokens included.
     """
     length = max(len(ids) for ids, _ in rows)
     replay = [list(islice(stream, length)) for _ in range(replay_rows_for(len(rows), replay_frac))]

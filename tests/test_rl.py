@@ -362,7 +362,7 @@ def test_old_logprob_pass_runs_only_when_the_policy_moves_between_updates(monkey
 def test_dry_run_builds_everything_and_stops(monkeypatch, tmp_path, checkpoint, capsys):
     out = run_rl(monkeypatch, tmp_path, checkpoint, "--dry-run")
     text = capsys.readouterr().out
-    assert "plan: 30 steps" in text and "dry run" in text and "eval step" not in text
+    assert "plan: 20 steps" in text and "dry run" in text and "eval step" not in text
     assert not out.exists()
 
 
