@@ -100,7 +100,7 @@ PRESETS = {
     # '#### <answer>' line degenerates; with it, 94%. The rate is gentle on purpose, so that RL keeps headroom.
     "tiny": dict(pairs="self-generated", task="synthetic", train_pairs=1024, eval_pairs=256, samples=8,
                  temperature=1.0, beta=0.1, sft_weight=1.0, lr_frac=0.03, batch_size=32, device_batch_tokens=1024,
-                 epochs=1, eval_every=5, check_problems=256, check_samples=4, max_new_tokens=64, save_every=5,
+                 epochs=1, eval_every=10, check_problems=256, check_samples=2, max_new_tokens=64, save_every=5,
                  decontaminate=False),
     # small (one 24 GB GPU, ~5 min): 20k UltraFeedback pairs with sides of <= 1,024 tokens, the full preset's batch.
     "small": dict(pairs="ultrafeedback", task="gsm8k", train_pairs=20_000, eval_pairs=500, samples=8,

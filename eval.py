@@ -74,7 +74,8 @@ MC_SHOTS = {"arc-easy": 0, "arc-challenge": 0, "mmlu": 5}
 PRESETS = {
     # tiny: the synthetic world only (offline, seconds on a CPU). The hub tasks are the small and full presets'.
     # bpb_tokens: the validation tokens of pretrain.py's presets, so the base checkpoint's bpb is its final val_bpb.
-    "tiny": {"base_tasks": "bpb", "chat_tasks": "bpb,synthetic", "max_problems": 200, "max_tokens": 96,
+    # tiny max_problems: the 128 held-out problems rl.py's own evaluation samples too.
+    "tiny": {"base_tasks": "bpb", "chat_tasks": "bpb,synthetic", "max_problems": 128, "max_tokens": 96,
              "bpb_tokens": 16384, "batch_size": 32},
     # small: one 24 GB GPU; the first 400 problems of each task keep the generative ones to minutes.
     "small": {"base_tasks": "bpb,arc-easy,arc-challenge,mmlu", "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu",
@@ -458,7 +459,7 @@ def main(argv=None):
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="longest completion in tokens (default: tiny 96, full 512)")
     parser.add_argument("--max-problems", type=int, default=None,
-                        help="evaluate the first N problems of each task (default: tiny 200, full all)")
+                        help="evaluate the first N problems of each task (default: tiny 128, full all)")
     parser.add_argument("--few-shot", type=int, default=None,
                         help="few-shot examples for base-model multiple choice (default: ARC 0, MMLU 5)")
     parser.add_argument("--bpb-tokens", type=int, default=None,

@@ -74,8 +74,8 @@ from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, S
 # conversations sorted into 2-3 micro-batches are 7% padding instead of ~45% in one of 4,096, and the stage takes
 # 117 s instead of 132 s on 2 idle cores, with the same loss and metrics (backward_sft_loss: one mean per step).
 PRESETS = {
-    "tiny": dict(train_rows=4000, num_steps=None, batch_size=32, device_batch_tokens=1024, lr_frac=0.5, eval_every=25,
-                 eval_rows=256, check_problems=256, check_samples=4, max_new_tokens=64, save_every=25, replay_frac=0.1,
+    "tiny": dict(train_rows=4000, num_steps=None, batch_size=32, device_batch_tokens=1024, lr_frac=0.5, eval_every=50,
+                 eval_rows=256, check_problems=256, check_samples=2, max_new_tokens=64, save_every=25, replay_frac=0.1,
                  decontaminate=False),
     # small (one 24 GB GPU, ~10 min): 50k SmolTalk conversations of <= 1,024 tokens + GSM8K, the full preset's
     # optimizer batch; on a GPU each stage's micro-batch is the largest of the preset's, half of it, ... that fits.
