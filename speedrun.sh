@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # nanopost speedrun: tokenizer -> base pretraining -> SFT -> DPO -> GRPO -> eval -> report card.
 #
-#   bash speedrun.sh              # no GPU: the tiny preset on synthetic data (2 CPU cores, ~13 minutes idle)
+#   bash speedrun.sh              # no GPU: the tiny preset on synthetic data (2 CPU cores, ~10 minutes idle)
 #                                 # one GPU: the small preset (~2.2 hours on a 24 GB card)
 #                                 # 8 GPUs of >= 80 GB: the full preset with torchrun (~3.9 hours on 8xH100)
 #   PRESET=small bash speedrun.sh # override the choice
