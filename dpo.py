@@ -592,10 +592,10 @@ def main(argv=None):
 
     # The SFT model's scores; its preference margins are all 0 (policy = reference), so its accuracy is 0. Its held-out
     # check is the one sft.py ran on these weights at its end, stored in the checkpoint, when it ran the same check.
-    settings = check_settings(args.task, args.check_problems, args.check_samples, args.max_new_tokens, args.seed)
+    check_args = (args.task, args.check_problems, args.check_samples, args.max_new_tokens, args.seed)
     stored = sft_meta.get("check", {})
-    check = stored["metrics"] if stored.get("settings") == settings else held_out_check(
-        model, tokenizer, args.task, args.check_problems, args.check_samples, args.max_new_tokens, args.seed)
+    check = stored["metrics"] if stored.get("settings") == check_settings(*check_args) else held_out_check(
+        model, tokenizer, *check_args)
     before = {**check, **evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device, eval_labels)}
     print0(f"before: held-out {args.task} pass@1 greedy {before['pass@1']:.1%}, T=1 {before['pass@1_t1']:.1%} | "
            f"pref loss {before['loss']:.4f}, {preference_summary(before)}")
@@ -669,8 +669,7 @@ def main(argv=None):
         if preempted:
             common.exit_preempted(out_dir)
 
-    after = {**held_out_check(model, tokenizer, args.task, args.check_problems, args.check_samples,
-                              args.max_new_tokens, args.seed),
+    after = {**held_out_check(model, tokenizer, *check_args),
              **evaluate_preferences(model, eval_pairs, eval_ref, args, pad_id, device, eval_labels)}
     print0(f"after:  held-out {args.task} pass@1 greedy {before['pass@1']:.1%} -> {after['pass@1']:.1%}, "
            f"T=1 {before['pass@1_t1']:.1%} -> {after['pass@1_t1']:.1%} | pref loss {after['loss']:.4f}, "

@@ -510,12 +510,9 @@ def draw_plots(records, out_dir):
         return not fresh
 
     for stage, record in latest_stage_records(records).items():
-        if not curves_of(record) or not stale(stage, record):
+        if not stage_panels(stage, curves_of(record)) or not stale(stage, record):  # no curves, or drawn already
             continue
         fig = stage_figure(stage, record)
-        if fig is None:
-            del plots[stage], drawn[stage]
-            continue
         save_png(fig, plots[stage], dpi=80)
         plt.close(fig)
     evals = merged_evals(records)

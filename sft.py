@@ -545,8 +545,8 @@ def main(argv=None):
         if preempted:
             common.exit_preempted(out_dir)
 
-    check = held_out_check(model, tokenizer, "synthetic", args.check_problems, args.check_samples, args.max_new_tokens,
-                           args.seed)
+    check_args = ("synthetic", args.check_problems, args.check_samples, args.max_new_tokens, args.seed)
+    check = held_out_check(model, tokenizer, *check_args)
     final = {"val_loss": evaluate_loss(model, val_batches, device),
              "bpb": evaluate_bpb(model, bpb_batches, token_bytes, device), **check}
     print0(f"held-out loss {before['val_loss']:.4f} -> {final['val_loss']:.4f} | bpb {before['bpb']:.4f} -> "
@@ -557,8 +557,7 @@ def main(argv=None):
     common.check_ranks_agree(model, "sft")
     if rank == 0:
         meta = {"stage": "sft", "finished": True, "preset": args.preset, "args": vars(args), "metrics": final,
-                "check": {"settings": check_settings("synthetic", args.check_problems, args.check_samples,
-                                                     args.max_new_tokens, args.seed), "metrics": check},
+                "check": {"settings": check_settings(*check_args), "metrics": check},
                 "base_step": base_meta.get("step")}
         path = common.save_checkpoint(out_dir, num_steps, tokenizer=tokenizer, **lora_checkpoint(model, lora, meta))
         print0(f"saved {path}")
