@@ -862,8 +862,8 @@ def inference_memory(config, kv_rows, kv_positions, logits_rows=0, forward_token
       weights      4 P                        fp32 parameters
       autocast     2 P_blocks + 2 V C         bf16 copies of the matmul weights (model.training_memory)
       kv cache     kv_cache_bytes(kv_rows, kv_positions)
-      sampling     16 V logits_rows           per decoding row: fp32 logits, scaled by the temperature, their
-                                              log-softmax and its exp (engine.sampling_logprobs), 4 bytes each
+      sampling     16 V logits_rows           per decoding row: fp32 logits, scaled by the temperature, less
+                                              their max, and its exp (engine.sample_tokens), 4 bytes each
       forward      30 C forward_tokens        a no-grad forward of forward_tokens positions keeps one layer's tensors
                                               at a time: the fp32 residual 4, its bf16 norm 2, the MLP's c_fc output,
                                               ReLU and square 8 each (bf16, 4 C wide)

@@ -13,7 +13,7 @@ evaluates expr and forces <|output_start|>result<|output_end|> into that row, on
 model never chose them, so RL must not train on them).
 DecodeBatch (the end of this file) is the same decoding for requests that join and leave between steps (continuous
 batching), each with its own Sampling (settings and seed): serve.py decodes concurrent requests with it.
-Each step samples with sample_tokens (inverse CDF, one seeded uniform per row) from sampling_logprobs's distribution.
+Each step samples with sample_tokens (inverse CDF, one seeded uniform per row) from sampling_logits's distribution.
 Two decode steps compute the same logits: the eager one on a KVCache (the reference), and the compiled one
 (Engine(compiled=True), the default on CUDA) on a StaticKVCache the Engine keeps for its next call of the same shape,
 with the one-token forward compiled by torch.compile (CUDA graphs on CUDA). On CPU the eager step stays the default:
@@ -143,14 +143,19 @@ class StaticKVCache:
     KVCache's layout with every shape fixed and every position a tensor, for the compiled one-token decode step:
     rows right-aligned, all writing the same slot. Storage (B, max_len, n_kv_head, head_dim) per layer is allocated
     once, and the Engine keeps the cache for its next generate call (RL generates every step) or DecodeBatch rebuild
-    of the same shape, so the compiled step is traced once and on CUDA nothing is reallocated. The cache never tracks
-    on the host how full it is (DecodeBatch counts it itself):
+    of the same shape, so the compiled step is traced once and on CUDA nothing is reallocated. Positions live on the
+    device:
         slot (0-d)   the slot the next token of every row is written to (KVCache.filled)
         lengths (B,) tokens held by each row: its next token's rotary position
         first (B,)   the slot of each row's first token
-    A step attends over all max_len slots; row b's query sees slots first[b] .. slot, so padding, unwritten slots
-    and what an earlier call left behind are masked out. Rows beyond the ones a call uses (its row count rounded up
-    to the cache's) start empty at the current slot and see only their own tokens.
+    Row b's query sees slots first[b] .. slot, so padding, unwritten slots and what an earlier call left behind are
+    masked out. Rows beyond the ones a call uses (its row count rounded up to the cache's) start empty at the current
+    slot and see only their own tokens.
+    Which slots a step reads: on CUDA all max_len of them (CUDA graphs replay fixed shapes; as gpt-fast does). On CPU
+    only slots 0 .. slot, counted on the host too (`filled`): there decoding is bound by reading the cache, and
+    reading all max_len slots made the compiled step no faster than the eager one (bench/engine.py). That length
+    changes every step; torch.compile's automatic dynamic shapes recompile the step once, at the second length, with
+    the length symbolic, and that one graph serves every length after.
     """
 
     def __init__(self, batch_size, max_len, prefill):
@@ -163,6 +168,7 @@ class StaticKVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.first = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.slots = torch.arange(max_len, device=device)
+        self.filled = None if device.type == "cuda" else 0  # the host's copy of slot; None: read all max_len slots
         if device.type == "cuda":  # CUDA graphs replay on fixed addresses: these tensors are updated in place
             for t in (*self.keys, *self.values, self.slot, self.lengths, self.first):
                 torch._dynamo.mark_static_address(t)
@@ -172,20 +178,31 @@ class StaticKVCache:
         k = prefill.keys[0]
         return (self.keys[0].shape[2:], self.keys[0].dtype, self.keys[0].device) == (k.shape[2:], k.dtype, k.device)
 
-    def load(self, prefills, repeats):
-        """Rows i * repeats .. (i + 1) * repeats - 1 start as copies of prefills[i] (batch-1 KVCaches), as in
-        KVCache.from_prefills; the rows after them start empty."""
-        filled = max(p.filled for p in prefills)
-        lengths = torch.cat([p.lengths for p in prefills]).repeat_interleave(repeats)  # (rows,)
+    def start(self, filled, lengths):
+        """Every row's next token goes to slot `filled`; rows 0 .. len(lengths) - 1 hold lengths (a (rows,) tensor)
+        tokens each, in the slots before it, and the rows after them are empty. Their keys and values are the
+        caller's to write."""
         self.slot.fill_(filled)
         self.lengths.zero_()
         self.lengths[:lengths.size(0)] = lengths
         torch.sub(filled, self.lengths, out=self.first)
+        if self.filled is not None:
+            self.filled = filled
+
+    def load(self, prefills, repeats):
+        """Rows i * repeats .. (i + 1) * repeats - 1 start as copies of prefills[i] (batch-1 KVCaches), as in
+        KVCache.from_prefills; the rows after them start empty."""
+        filled = max(p.filled for p in prefills)
+        self.start(filled, torch.cat([p.lengths for p in prefills]).repeat_interleave(repeats))
         for store, name in ((self.keys, "keys"), (self.values, "values")):
             for layer in range(len(store)):
                 for i, p in enumerate(prefills):
                     store[layer][i * repeats:(i + 1) * repeats, filled - p.filled:filled] = \
                         getattr(p, name)[layer][:, :p.filled]
+
+    def _read(self):
+        """How many slots a step reads: 0 .. slot (on the host), or all max_len."""
+        return self.max_len if self.filled is None else self.filled + 1
 
     def positions(self, T):
         return self.lengths[:, None] + torch.arange(T, device=self.slots.device)  # (B, T)
@@ -193,44 +210,52 @@ class StaticKVCache:
     def attn_mask(self, T):
         if T != 1:
             raise ValueError(f"StaticKVCache decodes one token per step, got {T}")
-        return ((self.slots >= self.first[:, None]) & (self.slots <= self.slot))[:, None, None, :]  # (B, 1, 1, S)
+        slots = self.slots[:self._read()]
+        return ((slots >= self.first[:, None]) & (slots <= self.slot))[:, None, None, :]  # (B, 1, 1, S)
 
     def insert(self, layer, k, v):
-        """Write k, v (B, 1, n_kv_head, head_dim) into slot `slot` of every row; return all max_len slots."""
+        """Write k, v (B, 1, n_kv_head, head_dim) into slot `slot` of every row; return the slots a step reads."""
         self.keys[layer].index_copy_(1, self.slot[None], k)
         self.values[layer].index_copy_(1, self.slot[None], v)
-        return self.keys[layer], self.values[layer]
+        S = self._read()
+        return self.keys[layer][:, :S], self.values[layer][:, :S]
 
     def advance(self, T):
         self.lengths += T
         self.slot += T
+        if self.filled is not None:
+            self.filled += T
 
 
 # -----------------------------------------------------------------------------
 # The sampling distribution
 
 
-def sampling_logprobs(logits, temperature=1.0, top_k=None, top_p=None):
-    """
-    Log-probabilities (..., V) of the distribution the engine samples from, given logits (..., V):
-        p = softmax(logits / temperature) restricted to the kept tokens and renormalised,
-    kept tokens = the top_k largest (ties with the k-th are kept too), then of those the nucleus: the smallest
-    set of most likely tokens whose probability sums to >= top_p (the most likely token is always kept).
-    Removed tokens get -inf. temperature=0 is greedy: the delta distribution on the argmax (log-prob 0.0 there,
-    -inf elsewhere), so a greedy token's log-prob is 0.0. The engine samples with it and the RL learner
-    (rollout.token_logprobs) re-scores with it: one definition, so the two agree exactly.
-    """
+def check_sampling(temperature, top_k, top_p):
+    """A clear error for settings that define no distribution."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1 (or None for no limit), got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (or None for no limit), got {top_p}")
-    logits = logits.float()
+
+
+def sampling_logits(logits, temperature=1.0, top_k=None, top_p=None):
+    """
+    The logits (..., V) of the distribution the engine samples from, given the model's logits (..., V), for
+    temperature > 0: logits / temperature, with -inf at the tokens top_k / top_p remove:
+        p = softmax(logits / temperature) restricted to the kept tokens and renormalised,
+    kept tokens = the top_k largest (ties with the k-th are kept too), then of those the nucleus: the smallest
+    set of most likely tokens whose probability sums to >= top_p (the most likely token is always kept).
+    sampling_logprobs normalises them; sample_tokens samples from them.
+    """
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
-        greedy = F.one_hot(logits.argmax(-1), logits.size(-1)).bool()
-        return torch.zeros_like(logits).masked_fill(~greedy, float("-inf"))
-    logits = logits / temperature
+        raise ValueError("sampling_logits needs temperature > 0 (0 is greedy: the argmax)")
+    logits = logits.float()
+    if temperature != 1:
+        logits = logits / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -241,24 +266,45 @@ def sampling_logprobs(logits, temperature=1.0, top_k=None, top_p=None):
         # mass_before of the top token is 0 < top_p: it is always kept
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
         logits = sorted_logits.scatter(-1, order, sorted_logits)  # back to vocabulary order
-    return logits.log_softmax(-1)
+    return logits
 
 
-def sample_tokens(logprobs, uniforms):
+def sampling_logprobs(logits, temperature=1.0, top_k=None, top_p=None):
     """
-    One token per row of the distributions p = exp(logprobs) (B, V), by inverting each row's cumulative
-    distribution at uniforms (B,), drawn uniform in (0, 1]:
-        token = the smallest i with c_i >= u c_V,     c_i = p_0 + ... + p_i.
-    Why this samples p exactly: u c_V is uniform on (0, c_V], and token i is chosen exactly when
-    c_{i-1} < u c_V <= c_i, an interval of length p_i, so P(token = i) = p_i / c_V = p_i (c_V = 1 up to rounding,
-    and dividing by it is exact renormalisation). A token that top-k/top-p removed (p_i = 0) has an empty interval
-    and is never chosen, and u > 0 rules out the empty intervals before the first kept token. In float32 the
-    interval of token i differs from p_i by the rounding of one running-sum addition (< 2^-25 ~ 3e-8) and by u's
-    resolution (2^-24): far below what 200,000 draws can resolve, as for torch.multinomial. Any seeded generator gives
-    the same tokens every run; one uniform per row instead of multinomial's per-call overhead (~10x faster here).
+    Log-probabilities (..., V) of the distribution the engine samples from (sampling_logits), given logits (..., V);
+    removed tokens get -inf. temperature=0 is greedy: the delta distribution on the argmax (log-prob 0.0 there,
+    -inf elsewhere), so a greedy token's log-prob is 0.0. The RL learner (rollout.token_logprobs) re-scores the
+    engine's samples with it: one definition of the distribution, so the two agree to float rounding.
     """
-    cdf = logprobs.exp().cumsum(-1)  # (B, V), non-decreasing: float addition of non-negative terms is monotone
-    return torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:]).squeeze(1)  # (B,), first i with c_i >= u c_V
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        logits = logits.float()
+        greedy = F.one_hot(logits.argmax(-1), logits.size(-1)).bool()
+        return torch.zeros_like(logits).masked_fill(~greedy, float("-inf"))
+    return sampling_logits(logits, temperature, top_k, top_p).log_softmax(-1)
+
+
+def sample_tokens(logits, uniforms):
+    """
+    One token per row of the distributions p = softmax(logits) (B, V), by inverting each row's cumulative
+    distribution at uniforms (B,), drawn uniform in (0, 1]; returns the tokens (B,) and their log-probabilities (B,):
+        token = the smallest i with c_i >= u c_V,     c_i = w_0 + ... + w_i,   w_i = exp(logits_i - max logits),
+        log p_token = logits_token - max logits - log c_V.
+    Why this samples p exactly: w_i = c_V p_i, u c_V is uniform on (0, c_V], and token i is chosen exactly when
+    c_{i-1} < u c_V <= c_i, an interval of length w_i, so P(token = i) = w_i / c_V = p_i. A token that top-k/top-p
+    removed (logit -inf, w_i = 0) has an empty interval and is never chosen, and u > 0 rules out the empty intervals
+    before the first kept token. In float32 the interval of token i differs from w_i by the rounding of one
+    running-sum addition (relative 2^-24) and by u's resolution (2^-24): far below what 200,000 draws can resolve, as
+    for torch.multinomial. Any seeded generator gives the same tokens every run; one uniform per row instead of
+    multinomial's per-call overhead (~10x faster here). The running sum's last entry is the softmax normaliser, so
+    the log-probabilities need no log_softmax over the vocabulary: they are log_softmax's up to float rounding.
+    """
+    top = logits.amax(-1, keepdim=True)  # (B, 1): exp never overflows, and the top token's weight is 1
+    cdf = (logits - top).exp().cumsum(-1)  # (B, V), non-decreasing: float addition of non-negative terms is monotone
+    total = cdf[:, -1:]  # (B, 1)
+    tokens = torch.searchsorted(cdf, uniforms[:, None] * total)  # (B, 1), first i with c_i >= u c_V
+    logprobs = logits.gather(1, tokens) - top - total.log()  # (B, 1)
+    return tokens.squeeze(1), logprobs.squeeze(1)
 
 
 # -----------------------------------------------------------------------------
@@ -387,8 +433,10 @@ class Engine:
         device = model.lm_head.weight.device
         self.compiled = COMPILED_DEFAULT.get(device.type, False) if compiled is None else compiled
         if self.compiled:
-            self._step = torch.compile(_one_token_logits, dynamic=False,
-                                       mode="reduce-overhead" if device.type == "cuda" else None)
+            # CUDA: static shapes and CUDA graphs. CPU: automatic dynamic shapes, for StaticKVCache's read length.
+            cuda = device.type == "cuda"
+            self._step = torch.compile(_one_token_logits, dynamic=False if cuda else None,
+                                       mode="reduce-overhead" if cuda else None)
         self._static_cache = None  # the compiled path's StaticKVCache, kept for the next call of the same shape
         self.stop_ids = {tokenizer.token_id("<|assistant_end|>"), tokenizer.bos_id}
         self.python_start = tokenizer.token_id("<|python_start|>")
@@ -422,6 +470,7 @@ class Engine:
                              "(usually <|bos|>)")
         if num_samples < 1 or max_tokens < 1:
             raise ValueError(f"num_samples and max_tokens must be >= 1, got {num_samples} and {max_tokens}")
+        check_sampling(sampling.temperature, sampling.top_k, sampling.top_p)
         max_len = max(map(len, prompts)) + max_tokens
         if max_len > model.rotary_len:
             raise ValueError(f"longest prompt + max_tokens = {max_len} tokens exceeds the model's "
@@ -449,12 +498,12 @@ class Engine:
         rows = [_Row() for _ in range(len(prompts) * num_samples)]
         decoding = list(range(len(rows)))  # the rows the eager step's cache holds, in its order
         while True:
-            logprobs = sampling_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (B, V)
-            if sampling.temperature == 0:
-                sampled = logprobs.argmax(-1)  # (B,)
+            if sampling.temperature == 0:  # greedy: the argmax, log-prob 0.0 (sampling_logprobs's delta)
+                sampled, sampled_logprobs = logits.argmax(-1), torch.zeros(logits.size(0), device=device)  # (B,)
             else:  # uniforms in (0, 1], as sample_tokens needs
-                sampled = sample_tokens(logprobs, 1 - torch.rand(logits.size(0), generator=generator, device=device))
-            sampled_logprobs = logprobs.gather(1, sampled[:, None]).squeeze(1)  # (B,)
+                sampled, sampled_logprobs = sample_tokens(
+                    sampling_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p),
+                    1 - torch.rand(logits.size(0), generator=generator, device=device))  # (B,), (B,)
             # One device-to-host transfer per step: token ids (exact in float32 below 2^24) and log-probs together.
             tokens, token_logprobs = torch.stack([sampled.float(), sampled_logprobs]).tolist()
             forced = []  # (row index, token) of rows that took a tool-output token instead of the sampled one
@@ -779,6 +828,7 @@ class DecodeBatch:
             if len(r.prompt) + r.max_tokens > model.rotary_len:
                 raise ValueError(f"prompt + max_tokens = {len(r.prompt) + r.max_tokens} tokens exceeds the model's "
                                  f"{model.rotary_len} positions")
+            check_sampling(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p)
         lengths = [len(r.prompt) for r in requests]
         # Right-padded: causal attention never lets a prompt token see the padding after it, so one unmasked forward
         # is exact for every prompt; the padding slots are never copied into the running cache.
@@ -845,17 +895,18 @@ class DecodeBatch:
                 counts = request._counts[samples]
                 lg = lg - request.presence_penalty * (counts > 0) - request.frequency_penalty * counts
             s = request.sampling
-            logprobs = sampling_logprobs(lg, s.temperature, s.top_k, s.top_p)
-            if s.temperature == 0:
-                tokens = logprobs.argmax(-1)
+            if s.temperature == 0:  # as in Engine.generate: the argmax, log-prob 0.0
+                tokens, logprobs = lg.argmax(-1), torch.zeros(len(samples), device=self.device)
             else:  # one uniform per sample every step, finished ones too: Engine.generate's draws, seed for seed
                 uniforms = 1 - torch.rand(request.num_samples, generator=request._generator, device=self.device)
-                tokens = sample_tokens(logprobs, uniforms[samples])
+                tokens, logprobs = sample_tokens(sampling_logits(lg, s.temperature, s.top_k, s.top_p),
+                                                 uniforms[samples])
             sampled.append(tokens)
-            chosen.append(logprobs.gather(1, tokens[:, None]).squeeze(1))
+            chosen.append(logprobs)
             order.append(index)
             if request.top_logprobs:
-                tops.append((request, samples, torch.topk(logprobs, min(request.top_logprobs, logprobs.size(-1)))))
+                distribution = sampling_logprobs(lg, s.temperature, s.top_k, s.top_p)  # (rows, V)
+                tops.append((request, samples, torch.topk(distribution, min(request.top_logprobs, lg.size(-1)))))
         order = torch.cat(order)
         # Free rows feed token 0: their outputs are never read.
         step_ids = torch.zeros(len(self.slots), dtype=torch.long, device=self.device).index_put((order,),
@@ -950,10 +1001,7 @@ class DecodeBatch:
         if self.engine.compiled:  # the rows after the busy and new ones are free: empty, at the current slot
             slots = min(_bucket(max_len, STATIC_LEN_MULTIPLE), self.model.rotary_len)
             cache = self.engine._kept_static_cache(_bucket(len(all_lengths), 8), slots, prefill)
-            cache.slot.fill_(filled)
-            cache.lengths.zero_()
-            cache.lengths[:len(all_lengths)] = lengths
-            torch.sub(filled, cache.lengths, out=cache.first)
+            cache.start(filled, lengths)
         else:
             cache = KVCache(len(all_lengths), max_len, self.model.config.n_layer, self.device)
             cache.lengths, cache.filled = lengths, filled

@@ -287,10 +287,13 @@ class GPT(nn.Module):
         every logit, and so every log-prob, on a grid of ~0.03-0.06 at logits of 4-8, and the engine's one-token
         decode and the learner's full forward land on different grid points. On CUDA the float32 matmul runs as TF32
         (common.py enables it): tensor cores at about half bf16's rate, for this one matmul.
+        The soft-cap cap * tanh(z / cap) is computed as 2 cap * sigmoid(2 z / cap) - cap (tanh x = 2 sigmoid(2x) - 1,
+        equal up to float rounding): on CPU torch.sigmoid runs ~3.5x faster than torch.tanh, ~1.5 ms of a 64-row
+        decode step at vocabulary 8,192 (bench/engine.py).
         """
         with torch.autocast(h.device.type, enabled=False):
             logits = F.linear(h.float(), self.lm_head.weight.float())  # (..., V)
-        return LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+        return torch.sigmoid(logits * (2 / LOGIT_SOFTCAP)) * (2 * LOGIT_SOFTCAP) - LOGIT_SOFTCAP
 
     def chunked_logits(self, h, fn, *per_token, chunk_tokens=None):
         """

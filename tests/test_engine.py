@@ -9,7 +9,7 @@ import torch
 
 import engine as engine_module
 from conftest import scripted_model
-from engine import Engine, assistant_content, calculator, sample_tokens, sampling_logprobs
+from engine import Engine, assistant_content, calculator, sample_tokens, sampling_logits, sampling_logprobs
 from model import GPT, GPTConfig
 from tokenizer import Tokenizer
 
@@ -114,7 +114,10 @@ def test_sample_tokens_draws_the_target_distribution(temperature, top_k, top_p):
     logprobs = sampling_logprobs(logits, temperature, top_k, top_p)
     n = 200_000
     generator = torch.Generator().manual_seed(0)
-    tokens = sample_tokens(logprobs.expand(n, -1), 1 - torch.rand(n, generator=generator))
+    scaled = sampling_logits(logits, temperature, top_k, top_p)
+    tokens, token_logprobs = sample_tokens(scaled.expand(n, -1), 1 - torch.rand(n, generator=generator))
+    # the log-probs it records are those of the distribution it sampled
+    assert torch.allclose(token_logprobs, logprobs[tokens], atol=1e-6)
     counts = torch.bincount(tokens, minlength=logits.numel()).double()
     expected = n * logprobs.double().exp()
     kept = expected > 0
@@ -124,13 +127,16 @@ def test_sample_tokens_draws_the_target_distribution(temperature, top_k, top_p):
 
 
 def test_sample_tokens_is_deterministic_and_handles_the_ends():
-    logprobs = sampling_logprobs(torch.tensor([[0.0, 1.0, 2.0, -1.0]] * 5), top_k=2)  # tokens 1 and 2 kept
-    first = sample_tokens(logprobs, 1 - torch.rand(5, generator=torch.Generator().manual_seed(3)))
-    again = sample_tokens(logprobs, 1 - torch.rand(5, generator=torch.Generator().manual_seed(3)))
+    logits = sampling_logits(torch.tensor([[0.0, 1.0, 2.0, -1.0]] * 5), top_k=2)  # tokens 1 and 2 kept
+    first, _ = sample_tokens(logits, 1 - torch.rand(5, generator=torch.Generator().manual_seed(3)))
+    again, _ = sample_tokens(logits, 1 - torch.rand(5, generator=torch.Generator().manual_seed(3)))
     assert first.tolist() == again.tolist()
     # u = 1 is the last kept token, not a removed one after it (broken once with searchsorted's right=True: token 3);
     # the smallest u is the first kept token
-    assert sample_tokens(logprobs[:2], torch.tensor([1.0, 2.0 ** -24])).tolist() == [2, 1]
+    assert sample_tokens(logits[:2], torch.tensor([1.0, 2.0 ** -24]))[0].tolist() == [2, 1]
+    # logits far beyond exp's float32 range (a low temperature) still sample and score: the max is taken out first
+    tokens, logprobs = sample_tokens(torch.tensor([[0.0, 300.0, 299.0]]) * 10, torch.tensor([0.5]))
+    assert tokens.tolist() == [1] and logprobs.item() == pytest.approx(-math.log1p(math.exp(-10)), abs=1e-6)
 
 
 # -----------------------------------------------------------------------------
