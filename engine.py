@@ -901,12 +901,14 @@ class DecodeBatch:
                 uniforms = 1 - torch.rand(request.num_samples, generator=request._generator, device=self.device)
                 tokens, logprobs = sample_tokens(sampling_logits(lg, s.temperature, s.top_k, s.top_p),
                                                  uniforms[samples])
+            if request.top_logprobs:  # the whole distribution; the sampled token's log-prob read from it too, so
+                # that it is one of its top_logprobs exactly, not only to float rounding
+                distribution = sampling_logprobs(lg, s.temperature, s.top_k, s.top_p)  # (rows, V)
+                logprobs = distribution.gather(1, tokens[:, None]).squeeze(1)
+                tops.append((request, samples, torch.topk(distribution, min(request.top_logprobs, lg.size(-1)))))
             sampled.append(tokens)
             chosen.append(logprobs)
             order.append(index)
-            if request.top_logprobs:
-                distribution = sampling_logprobs(lg, s.temperature, s.top_k, s.top_p)  # (rows, V)
-                tops.append((request, samples, torch.topk(distribution, min(request.top_logprobs, lg.size(-1)))))
         order = torch.cat(order)
         # Free rows feed token 0: their outputs are never read.
         step_ids = torch.zeros(len(self.slots), dtype=torch.long, device=self.device).index_put((order,),

@@ -243,6 +243,29 @@ def test_compiled_keeps_its_cache_across_calls_and_matches_eager(model, tokenize
     assert storages[0] == storages[1] == storages[2] != storages[3]
 
 
+@pytest.mark.slow
+def test_compiled_cpu_step_reads_the_written_slots_with_one_graph_for_every_length(model, tokenizer, prompts):
+    # On CPU the compiled step attends over slots 0 .. slot only (StaticKVCache.filled), a length that grows every
+    # step: one graph with the length symbolic must serve them all. Broken once each: insert returning all max_len
+    # slots, and the step compiled with dynamic=False (a recompile per step up to torch.compile's recompile limit,
+    # then eager).
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # forget the graphs earlier tests compiled
+    frames = counters["frames"]["ok"]
+    engine = Engine(model, tokenizer, compiled=True)
+    engine.generate([prompts[0]], num_samples=2, max_tokens=30, temperature=0)
+    engine.generate([prompts[1]], num_samples=2, max_tokens=40, temperature=0)  # other lengths, the same graph
+    assert counters["frames"]["ok"] - frames == 2  # the first length, then the symbolic one
+    cache = engine._static_cache  # step by step, uncompiled: each insert returns exactly the slots written so far
+    kv = torch.zeros(cache.keys[0].size(0), 1, *cache.keys[0].shape[2:])
+    with torch.inference_mode():  # the engine's tensors are inference tensors
+        for _ in range(3):
+            keys, values = cache.insert(0, kv, kv)
+            assert keys.size(1) == values.size(1) == int(cache.slot) + 1 == cache.filled + 1 < cache.max_len
+            cache.advance(1)
+
+
 def test_eager_step_drops_finished_rows_and_keeps_the_others_draws(model, tokenizer, prompts, monkeypatch):
     # Once half of the rows have finished, the eager step decodes only the others (KVCache.keep_rows). The rows still
     # decoding must get the tokens and log-probs the full batch gives them: same cache rows, same positions and
