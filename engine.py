@@ -309,6 +309,17 @@ def sample_tokens(logits, uniforms):
     return tokens.squeeze(1), logprobs.squeeze(1)
 
 
+def draw(logits, sampling, uniforms):
+    """
+    The engine's tokens (B,) for logits (B, V) and their log-probs (B,) under `sampling` (a Sampling): at temperature
+    0 the argmax, log-prob 0.0 (sampling_logprobs's delta); otherwise sample_tokens from sampling_logits at uniforms
+    (B,), drawn in (0, 1] (None at temperature 0).
+    """
+    if sampling.temperature == 0:
+        return logits.argmax(-1), torch.zeros(logits.size(0), device=logits.device)
+    return sample_tokens(sampling_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), uniforms)
+
+
 # -----------------------------------------------------------------------------
 # Calculator tool
 
@@ -500,12 +511,9 @@ class Engine:
         rows = [_Row() for _ in range(len(prompts) * num_samples)]
         decoding = list(range(len(rows)))  # the rows the eager step's cache holds, in its order
         while True:
-            if sampling.temperature == 0:  # greedy: the argmax, log-prob 0.0 (sampling_logprobs's delta)
-                sampled, sampled_logprobs = logits.argmax(-1), torch.zeros(logits.size(0), device=device)  # (B,)
-            else:  # uniforms in (0, 1], as sample_tokens needs
-                sampled, sampled_logprobs = sample_tokens(
-                    sampling_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p),
-                    1 - torch.rand(logits.size(0), generator=generator, device=device))  # (B,), (B,)
+            uniforms = None if sampling.temperature == 0 else \
+                1 - torch.rand(logits.size(0), generator=generator, device=device)  # (B,) in (0, 1]
+            sampled, sampled_logprobs = draw(logits, sampling, uniforms)  # (B,), (B,)
             # One device-to-host transfer per step: token ids (exact in float32 below 2^24) and log-probs together.
             tokens, token_logprobs = torch.stack([sampled.float(), sampled_logprobs]).tolist()
             forced = []  # (row index, token) of rows that took a tool-output token instead of the sampled one
@@ -897,12 +905,10 @@ class DecodeBatch:
                 counts = request._counts[samples]
                 lg = lg - request.presence_penalty * (counts > 0) - request.frequency_penalty * counts
             s = request.sampling
-            if s.temperature == 0:  # as in Engine.generate: the argmax, log-prob 0.0
-                tokens, logprobs = lg.argmax(-1), torch.zeros(len(samples), device=self.device)
-            else:  # one uniform per sample every step, finished ones too: Engine.generate's draws, seed for seed
+            uniforms = None  # one per sample every step, finished ones too: Engine.generate's draws, seed for seed
+            if s.temperature > 0:
                 uniforms = 1 - torch.rand(request.num_samples, generator=request._generator, device=self.device)
-                tokens, logprobs = sample_tokens(sampling_logits(lg, s.temperature, s.top_k, s.top_p),
-                                                 uniforms[samples])
+            tokens, logprobs = draw(lg, s, None if uniforms is None else uniforms[samples])
             if request.top_logprobs:  # the whole distribution; the sampled token's log-prob read from it too, so
                 # that it is one of its top_logprobs exactly, not only to float rounding
                 distribution = sampling_logprobs(lg, s.temperature, s.top_k, s.top_p)  # (rows, V)
