@@ -50,6 +50,7 @@ import ipaddress
 import json
 import os
 import select
+import signal
 import socket
 import sys
 import threading
@@ -824,6 +825,9 @@ def main():
     if exposed and not args.api_key:
         print("\n" + "!" * 100 + f"\nWARNING: serving on {host} WITHOUT an API key (--allow-no-key): anyone who can "
               "reach this port can use the model.\n" + "!" * 100 + "\n", file=sys.stderr, flush=True)
+    # SIGINT stops the server even when it was started with SIGINT ignored, as a background job of a script
+    # (`cmd &` without job control) is: Python then leaves SIGINT ignored instead of raising KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"serving {name} (step {meta.get('step')}, {model.num_params():,} parameters, {device}) on "
           f"http://{host}:{port}  (Ctrl-C stops)", file=sys.stderr, flush=True)
     try:

@@ -255,8 +255,11 @@ def test_ctrl_c_shuts_down_cleanly(model, tokenizer, tmp_path):
     import common
 
     common.save_checkpoint(tmp_path / "sft", 0, model, {"stage": "test"}, tokenizer=tokenizer)
-    process = subprocess.Popen([sys.executable, "serve.py", "--ckpt", str(tmp_path / "sft"), "--port", "0",
-                                "--device", "cpu", "--quiet"], stderr=subprocess.PIPE, text=True,
+    # Started with SIGINT ignored, as a background job of a script is (`cmd &`): SIGINT must still stop it. Broken
+    # once (Python keeps an inherited SIG_IGN): the server ignored SIGINT when the test suite ran in the background.
+    process = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", sys.executable, "serve.py", "--ckpt",
+                                str(tmp_path / "sft"), "--port", "0", "--device", "cpu", "--quiet"],
+                               stderr=subprocess.PIPE, text=True,
                                env={"NANOPOST_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     try:
         line = process.stderr.readline()
@@ -649,8 +652,11 @@ def test_a_killed_server_mid_stream_is_an_error_for_the_client(model, tokenizer,
     import common
 
     common.save_checkpoint(tmp_path / "sft", 0, model, {"stage": "test"}, tokenizer=tokenizer)
-    process = subprocess.Popen([sys.executable, "serve.py", "--ckpt", str(tmp_path / "sft"), "--port", "0",
-                                "--device", "cpu", "--quiet"], stderr=subprocess.PIPE, text=True,
+    # Started with SIGINT ignored, as a background job of a script is (`cmd &`): SIGINT must still stop it. Broken
+    # once (Python keeps an inherited SIG_IGN): the server ignored SIGINT when the test suite ran in the background.
+    process = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", sys.executable, "serve.py", "--ckpt",
+                                str(tmp_path / "sft"), "--port", "0", "--device", "cpu", "--quiet"],
+                               stderr=subprocess.PIPE, text=True,
                                env={"NANOPOST_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     try:
         port = int(re.search(r"http://127\.0\.0\.1:(\d+)", process.stderr.readline()).group(1))
