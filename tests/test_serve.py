@@ -251,16 +251,23 @@ def test_the_page_is_served_and_self_contained(server):
     assert not re.search(r"https?:|//[a-z0-9]|\bsrc\s*=|\bhref\s*=|@import|url\(", page, re.IGNORECASE)
 
 
-def test_ctrl_c_shuts_down_cleanly(model, tokenizer, tmp_path):
+def serve_process(model, tokenizer, tmp_path, ignore_sigint=False):
+    """serve.py on a checkpoint of `model`, in a subprocess on a free port (its first stderr line says which);
+    ignore_sigint: started with SIGINT ignored, as a background job of a script is (`cmd &`)."""
     import common
 
     common.save_checkpoint(tmp_path / "sft", 0, model, {"stage": "test"}, tokenizer=tokenizer)
-    # Started with SIGINT ignored, as a background job of a script is (`cmd &`): SIGINT must still stop it. Broken
-    # once (Python keeps an inherited SIG_IGN): the server ignored SIGINT when the test suite ran in the background.
-    process = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", sys.executable, "serve.py", "--ckpt",
-                                str(tmp_path / "sft"), "--port", "0", "--device", "cpu", "--quiet"],
-                               stderr=subprocess.PIPE, text=True,
-                               env={"NANOPOST_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    command = [sys.executable, "serve.py", "--ckpt", str(tmp_path / "sft"), "--port", "0", "--device", "cpu", "--quiet"]
+    if ignore_sigint:
+        command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
+    return subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+                            env={"NANOPOST_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+
+
+def test_ctrl_c_shuts_down_cleanly(model, tokenizer, tmp_path):
+    # Started with SIGINT ignored: SIGINT must still stop it. Broken once (Python keeps an inherited SIG_IGN): the
+    # server ignored SIGINT when the test suite ran in the background.
+    process = serve_process(model, tokenizer, tmp_path, ignore_sigint=True)
     try:
         line = process.stderr.readline()
         port = int(re.search(r"http://127\.0\.0\.1:(\d+)", line).group(1))  # binds 127.0.0.1 by default
@@ -649,15 +656,7 @@ def test_shutdown_mid_stream_ends_with_an_error_event(model, tokenizer):
 
 
 def test_a_killed_server_mid_stream_is_an_error_for_the_client(model, tokenizer, tmp_path):
-    import common
-
-    common.save_checkpoint(tmp_path / "sft", 0, model, {"stage": "test"}, tokenizer=tokenizer)
-    # Started with SIGINT ignored, as a background job of a script is (`cmd &`): SIGINT must still stop it. Broken
-    # once (Python keeps an inherited SIG_IGN): the server ignored SIGINT when the test suite ran in the background.
-    process = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", sys.executable, "serve.py", "--ckpt",
-                                str(tmp_path / "sft"), "--port", "0", "--device", "cpu", "--quiet"],
-                               stderr=subprocess.PIPE, text=True,
-                               env={"NANOPOST_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    process = serve_process(model, tokenizer, tmp_path)
     try:
         port = int(re.search(r"http://127\.0\.0\.1:(\d+)", process.stderr.readline()).group(1))
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
