@@ -58,7 +58,8 @@ def recompute_generate(model, prompt, max_tokens, generator):
     for _ in range(max_tokens):
         logprobs = sampling_logprobs(model(ids)[:, -1])  # (1, V)
         uniforms = 1 - torch.rand(1, generator=generator, device=ids.device)
-        ids = torch.cat([ids, sample_tokens(logprobs, uniforms)[:, None]], dim=1)
+        token, _ = sample_tokens(logprobs, uniforms)
+        ids = torch.cat([ids, token[:, None]], dim=1)
     return max_tokens
 
 
