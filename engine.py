@@ -125,6 +125,10 @@ class KVCache:
         self.values[layer][:, self.filled:S] = v
         return self.keys[layer][:, :S], self.values[layer][:, :S]
 
+    def shared_prefix(self, layer):
+        """Keys and values shared by groups of rows (StaticKVCache's): none here, every row holds its own."""
+        return None
+
     def advance(self, T):
         """Called once per forward, after the last layer: every row now holds T more tokens."""
         self.lengths += T
@@ -153,14 +157,20 @@ class StaticKVCache:
     Row b's query sees slots first[b] .. slot, so padding, unwritten slots and what an earlier call left behind are
     masked out. Rows beyond the ones a call uses (its row count rounded up to the cache's) start empty at the current
     slot and see only their own tokens.
-    Which slots a step reads: on CUDA all max_len of them (CUDA graphs replay fixed shapes; as gpt-fast does). On CPU
-    only slots 0 .. slot, counted on the host too (`filled`): there decoding is bound by reading the cache, and
-    reading all max_len slots made the compiled step no faster than the eager one (bench/engine.py). That length
-    changes every step; torch.compile's automatic dynamic shapes recompile the step once, at the second length, with
-    the length symbolic, and that one graph serves every length after.
+    With `groups` > 0 (Engine.generate with num_samples > 1) the rows form groups of B / groups consecutive rows, one
+    per prompt, and a group's prompt is stored once, in prefix storage (groups, prefix_len, n_kv_head, head_dim) per
+    layer with prefix_mask (groups, prefix_len) True at its tokens; the rows' own slots hold only what they generate,
+    from slot 0. The model attends over both with shared_prefix_attention (model.py), reading each prompt once per
+    step instead of once per sample.
+    Which slots a step reads: on CUDA all of them (CUDA graphs replay fixed shapes; as gpt-fast does). On CPU only
+    own slots 0 .. slot and the longest prompt's prefix slots, counted on the host too (`filled`, `prefix_read`):
+    there decoding is bound by reading the cache, and reading all max_len slots made the compiled step no faster than
+    the eager one (bench/engine.py). Those lengths change every step and call; torch.compile's automatic dynamic
+    shapes recompile the step once, at the second length, with the length symbolic, and that graph serves every
+    length after.
     """
 
-    def __init__(self, batch_size, max_len, prefill):
+    def __init__(self, batch_size, max_len, prefill, groups=0, prefix_len=0):
         """Storage shaped and typed like the batch-1 KVCache `prefill` (per layer and head, in its dtype)."""
         device = prefill.lengths.device
         self.max_len = max_len
@@ -171,8 +181,14 @@ class StaticKVCache:
         self.first = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.slots = torch.arange(max_len, device=device)
         self.filled = None if device.type == "cuda" else 0  # the host's copy of slot; None: read all max_len slots
+        self.groups = groups
+        self.prefix_keys = [k.new_zeros(groups, prefix_len, *k.shape[2:]) for k in prefill.keys] if groups else None
+        self.prefix_values = [v.new_zeros(groups, prefix_len, *v.shape[2:]) for v in prefill.values] if groups else None
+        self.prefix_mask = torch.zeros(groups, prefix_len, dtype=torch.bool, device=device)
+        self.prefix_read = None if device.type == "cuda" else prefix_len  # prefix slots a step reads; None: all
         if device.type == "cuda":  # CUDA graphs replay on fixed addresses: these tensors are updated in place
-            for t in (*self.keys, *self.values, self.slot, self.lengths, self.first):
+            for t in (*self.keys, *self.values, *(self.prefix_keys or []), *(self.prefix_values or []),
+                      self.prefix_mask, self.slot, self.lengths, self.first):
                 torch._dynamo.mark_static_address(t)
 
     def fits(self, prefill):
@@ -182,20 +198,33 @@ class StaticKVCache:
 
     def start(self, filled, lengths):
         """Every row's next token goes to slot `filled`; rows 0 .. len(lengths) - 1 hold lengths (a (rows,) tensor)
-        tokens each, in the slots before it, and the rows after them are empty. Their keys and values are the
-        caller's to write."""
+        tokens each, in the slots before it (and their group's prefix), and the rows after them are empty. Their keys
+        and values are the caller's to write."""
         self.slot.fill_(filled)
         self.lengths.zero_()
         self.lengths[:lengths.size(0)] = lengths
-        torch.sub(filled, self.lengths, out=self.first)
+        torch.sub(filled, self.lengths, out=self.first)  # with a prefix: <= 0, every own slot up to `slot` is seen
         if self.filled is not None:
             self.filled = filled
 
     def load(self, prefills, repeats):
         """Rows i * repeats .. (i + 1) * repeats - 1 start as copies of prefills[i] (batch-1 KVCaches), as in
-        KVCache.from_prefills; the rows after them start empty."""
+        KVCache.from_prefills (with groups: group i's prefix holds prefills[i], its rows' own slots start empty);
+        the rows after them start empty."""
+        lengths = torch.cat([p.lengths for p in prefills]).repeat_interleave(repeats)
+        if self.groups:
+            self.prefix_mask.zero_()
+            for i, p in enumerate(prefills):
+                for layer in range(len(self.keys)):
+                    self.prefix_keys[layer][i, :p.filled] = p.keys[layer][0, :p.filled]
+                    self.prefix_values[layer][i, :p.filled] = p.values[layer][0, :p.filled]
+                self.prefix_mask[i, :p.filled] = True
+            if self.prefix_read is not None:
+                self.prefix_read = max(p.filled for p in prefills)
+            self.start(0, lengths)
+            return
         filled = max(p.filled for p in prefills)
-        self.start(filled, torch.cat([p.lengths for p in prefills]).repeat_interleave(repeats))
+        self.start(filled, lengths)
         for store, name in ((self.keys, "keys"), (self.values, "values")):
             for layer in range(len(store)):
                 for i, p in enumerate(prefills):
@@ -221,6 +250,14 @@ class StaticKVCache:
         self.values[layer].index_copy_(1, self.slot[None], v)
         S = self._read()
         return self.keys[layer][:, :S], self.values[layer][:, :S]
+
+    def shared_prefix(self, layer):
+        """The layer's prefix keys and values (groups, P, n_kv_head, head_dim) and prefix_mask (groups, P), P the
+        prefix slots a step reads; None without groups."""
+        if not self.groups:
+            return None
+        P = self.prefix_mask.size(1) if self.prefix_read is None else self.prefix_read
+        return self.prefix_keys[layer][:, :P], self.prefix_values[layer][:, :P], self.prefix_mask[:, :P]
 
     def advance(self, T):
         self.lengths += T
@@ -302,7 +339,7 @@ def sample_tokens(logits, uniforms):
     the log-probabilities need no log_softmax over the vocabulary: they are log_softmax's up to float rounding.
     """
     top = logits.amax(-1, keepdim=True)  # (B, 1): exp never overflows, and the top token's weight is 1
-    cdf = (logits - top).exp().cumsum(-1)  # (B, V), non-decreasing: float addition of non-negative terms is monotone
+    cdf = (logits - top).exp_().cumsum_(-1)  # (B, V), non-decreasing: float addition of non-negative terms is monotone
     total = cdf[:, -1:]  # (B, 1)
     tokens = torch.searchsorted(cdf, uniforms[:, None] * total)  # (B, 1), first i with c_i >= u c_V
     logprobs = logits.gather(1, tokens) - top - total.log()  # (B, 1)
@@ -551,23 +588,36 @@ class Engine:
                 logits = logits.index_copy(0, index, _one_token_logits(model, next_ids[index], kv_cache))
 
     def _load_static_cache(self, prefills, repeats, max_len):
-        """The compiled path's cache holding the prefills (StaticKVCache.load), rows and max_len rounded up."""
-        rows = _bucket(len(prefills) * repeats, 8)
-        cache = self._kept_static_cache(rows, min(_bucket(max_len, STATIC_LEN_MULTIPLE), self.model.rotary_len),
-                                        prefills[0])
+        """
+        The compiled path's cache holding the prefills (StaticKVCache.load), rows and lengths rounded up. With
+        repeats > 1 each prompt is stored once for its rows (StaticKVCache groups; prompt counts rounded up too), and
+        the rows' own slots need only room for what they generate.
+        """
+        def rounded(n):
+            return min(_bucket(n, STATIC_LEN_MULTIPLE), self.model.rotary_len)
+
+        if repeats == 1:
+            cache = self._kept_static_cache(_bucket(len(prefills), 8), rounded(max_len), prefills[0])
+        else:
+            longest = max(p.filled for p in prefills)
+            groups = _bucket(len(prefills), 8)
+            cache = self._kept_static_cache(groups * repeats, rounded(max_len - longest), prefills[0], groups,
+                                            rounded(longest))
         cache.load(prefills, repeats)
         return cache
 
-    def _kept_static_cache(self, rows, max_len, prefill):
+    def _kept_static_cache(self, rows, max_len, prefill, groups=0, prefix_len=0):
         """
         A StaticKVCache of this shape for the rows of KVCache `prefill`: the kept one when it has that shape, else a
         new one, which replaces it (the old one is freed first: one cache's memory at a time). Its contents are the
         caller's to set.
         """
         cache = self._static_cache
-        if cache is None or (cache.lengths.size(0), cache.max_len) != (rows, max_len) or not cache.fits(prefill):
+        shape = (rows, max_len, groups, prefix_len)
+        if cache is None or (cache.lengths.size(0), cache.max_len, cache.groups, cache.prefix_mask.size(1)) != shape \
+                or not cache.fits(prefill):
             self._static_cache = cache = None
-            self._static_cache = cache = StaticKVCache(rows, max_len, prefill)
+            self._static_cache = cache = StaticKVCache(rows, max_len, prefill, groups, prefix_len)
         return cache
 
     def _step_row(self, row, sampled, logprob, max_tokens):

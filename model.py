@@ -9,8 +9,8 @@ Per block (pre-norm residual):  x = x + Attn(norm(x));  x = x + MLP(norm(x))
 - No biases anywhere; token embedding and lm_head are separate matrices; logits are soft-capped: 15 * tanh(z / 15).
 
 Incremental decoding goes through a key/value cache (engine.KVCache) whose rows may hold different numbers of tokens.
-forward() only uses its methods positions / attn_mask / insert / advance and its `max_len`, so this file does not
-import engine.py, and engine.StaticKVCache (the compiled decode step's) goes through the same forward.
+forward() only uses its methods positions / attn_mask / insert / shared_prefix / advance and its `max_len`, so this
+file does not import engine.py, and engine.StaticKVCache (the compiled decode step's) goes through the same forward.
 """
 
 import math
@@ -83,6 +83,37 @@ def apply_rotary(x, cos, sin):
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
+def shared_prefix_attention(q, k, v, attn_mask, prefix_k, prefix_v, prefix_mask):
+    """
+    One decode step's attention when each group of R consecutive rows (one prompt's samples) shares its prompt's
+    keys and values: row b of group g = b // R attends over the concatenation of the group's prefix keys and its own
+    keys,
+        y_b = sum_j softmax_j(s_j) v_j   over j in [prefix of g; own slots of b],   s_j = q_b . k_j / sqrt(D),
+    which is attention over the row's whole sequence (SDPA over a cache holding the prompt in every row), computed
+    with the prompt's keys and values read once per group instead of once per row. That is what makes it faster:
+    one-token decoding is bound by reading the cache, and for one prompt x 16 samples the prompt is half of it
+    (bench/engine.py). Written as broadcast products and sums, which torch.compile fuses into kernels that read
+    each cached key and value once; scores and softmax in float32.
+    q (B, 1, H, D); k, v (B, S, n_kv_head, D), the rows' own slots; attn_mask None (every own slot is visible) or
+    (B or 1, 1, 1, S) bool; prefix_k, prefix_v (G, P, n_kv_head, D), B = G R; prefix_mask (G, P) bool, True at a
+    group's prompt tokens. Returns y (B, 1, H, D). GQA: query head h reads kv head h // (H / n_kv_head).
+    """
+    B, _, H, D = q.shape
+    G, P, n_kv_head, _ = prefix_k.shape
+    R, rep = B // G, H // n_kv_head
+    q = q.float().view(B, n_kv_head, rep, D) / math.sqrt(D)
+    own = (q[:, None] * k.float()[:, :, :, None]).sum(-1)  # (B, S, n_kv_head, rep)
+    if attn_mask is not None:
+        own = own.masked_fill(~attn_mask.view(-1, own.size(1), 1, 1), float("-inf"))
+    shared = (q.view(G, R, 1, n_kv_head, rep, D) * prefix_k.float()[:, None, :, :, None]).sum(-1)  # (G, R, P, ...)
+    shared = shared.masked_fill(~prefix_mask[:, None, :, None, None], float("-inf")).view(B, P, n_kv_head, rep)
+    weights = torch.cat([shared, own], dim=1).softmax(dim=1)  # (B, P + S, n_kv_head, rep)
+    w_shared, w_own = weights[:, :P].view(G, R, P, n_kv_head, rep, 1), weights[:, P:, ..., None]
+    y = (w_shared * prefix_v.float()[:, None, :, :, None]).sum(2).view(B, n_kv_head, rep, D) \
+        + (w_own * v.float()[:, :, :, None]).sum(1)  # (B, n_kv_head, rep, D)
+    return y.view(B, 1, H, D).to(v.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -107,6 +138,9 @@ class CausalSelfAttention(nn.Module):
         q, k = q.to(v.dtype), k.to(v.dtype)
         if kv_cache is not None:
             k, v = kv_cache.insert(self.layer_idx, k, v)  # (B, S, n_kv_head, D): all cached keys, new ones included
+            prefix = kv_cache.shared_prefix(self.layer_idx)  # keys and values one prompt's rows share, or None
+            if prefix is not None:
+                return self.c_proj(shared_prefix_attention(q, k, v, attn_mask, *prefix).view(B, T, C))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T or S, D)
         # attn_mask (B or 1, 1, T, S) says which cached keys each query sees (its row's keys up to its own position);
         # None means plain causal attention among the T tokens (S = T), or, for a single token, attend to all S.

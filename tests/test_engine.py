@@ -224,13 +224,16 @@ def test_logprobs_equal_rescored_full_forward(model, tokenizer, prompts, tempera
 
 @pytest.mark.slow
 def test_compiled_keeps_its_cache_across_calls_and_matches_eager(model, tokenizer, prompts):
-    # The compiled path's cache outlives a call; the next call of the same shape (rows and length rounded up) reuses
-    # its storage, and what the previous call left in it must not leak in. Broken once (load() did not set each row's
-    # first slot): the second call's shorter prompt attended to its padding slots, holding the first call's keys, and
-    # its tokens differed from eager's.
+    # The compiled path's cache outlives a call; the next call of the same shape (rows, prompts and lengths rounded
+    # up) reuses its storage, and what the previous call left in it must not leak in. Broken once (load() did not set
+    # each row's first slot): the second call's shorter prompt attended to its padding slots, holding the first
+    # call's keys, and its tokens differed from eager's. Both layouts: prompts shared by their samples' rows
+    # (num_samples > 1: a prompt of 3 tokens where one of 11 was, whose stale prefix slots prefix_mask hides), and
+    # one row per prompt.
     eager, compiled = Engine(model, tokenizer, compiled=False), Engine(model, tokenizer, compiled=True)
-    calls = [([prompts[1]], 4, 12, 0.0), ([prompts[0], prompts[2]], 2, 20, 0.0), ([prompts[2], prompts[0]], 2, 20, 1.0),
-             (prompts, 3, 8, 1.0)]  # the last: 9 rows, a new shape
+    calls = [([prompts[1], prompts[0]], 2, 12, 0.0), ([prompts[0], prompts[1]], 2, 12, 1.0),
+             ([prompts[2], prompts[1]], 2, 12, 1.0), (prompts, 3, 8, 1.0),  # the last: 3 prompts, a new shape
+             ([prompts[1], prompts[0]], 1, 20, 0.0), ([prompts[0], prompts[2]], 1, 20, 1.0)]  # 1 row per prompt
     storages = []
     for batch, num_samples, max_tokens, temperature in calls:
         args = dict(num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=7)
@@ -240,23 +243,26 @@ def test_compiled_keeps_its_cache_across_calls_and_matches_eager(model, tokenize
             for g, e in zip(got_samples, expected_samples):
                 torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-5, rtol=0)
         storages.append(compiled._static_cache.keys[0].data_ptr())
-    assert storages[0] == storages[1] == storages[2] != storages[3]
+    assert storages[0] == storages[1] == storages[2] != storages[3] != storages[4] == storages[5]
 
 
 @pytest.mark.slow
 def test_compiled_cpu_step_reads_the_written_slots_with_one_graph_for_every_length(model, tokenizer, prompts):
     # On CPU the compiled step attends over slots 0 .. slot only (StaticKVCache.filled), a length that grows every
-    # step: one graph with the length symbolic must serve them all. Broken once each: insert returning all max_len
-    # slots, and the step compiled with dynamic=False (a recompile per step up to torch.compile's recompile limit,
-    # then eager).
+    # step, and over the longest prompt's prefix slots: once each length has changed, one graph with the lengths
+    # symbolic must serve every step and call. Broken once each: insert returning all max_len slots, and the step
+    # compiled with dynamic=False (a recompile per step up to torch.compile's recompile limit of 8, then eager).
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()  # forget the graphs earlier tests compiled
     frames = counters["frames"]["ok"]
     engine = Engine(model, tokenizer, compiled=True)
     engine.generate([prompts[0]], num_samples=2, max_tokens=30, temperature=0)
-    engine.generate([prompts[1]], num_samples=2, max_tokens=40, temperature=0)  # other lengths, the same graph
-    assert counters["frames"]["ok"] - frames == 2  # the first length, then the symbolic one
+    engine.generate([prompts[1]], num_samples=2, max_tokens=40, temperature=0)  # other prompt and storage lengths
+    assert counters["frames"]["ok"] - frames <= 4  # the first lengths, then symbolic ones (a few at a time)
+    compiles = counters["frames"]["ok"]
+    engine.generate([prompts[2]], num_samples=2, max_tokens=50, temperature=0)  # all lengths new: the same graph
+    assert counters["frames"]["ok"] == compiles
     cache = engine._static_cache  # step by step, uncompiled: each insert returns exactly the slots written so far
     kv = torch.zeros(cache.keys[0].size(0), 1, *cache.keys[0].shape[2:])
     with torch.inference_mode():  # the engine's tensors are inference tensors

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import KVCache
+from engine import KVCache, StaticKVCache
 import model as model_module
-from model import GPT, GPTConfig, training_memory
+from model import GPT, GPTConfig, shared_prefix_attention, training_memory
 
 # A real tiny model: 2 layers, width 64, 4 query heads sharing 2 key/value heads (grouped-query attention).
 CONFIG = GPTConfig(sequence_len=32, vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
@@ -123,6 +123,51 @@ def test_rows_of_different_lengths_decode_at_their_own_positions(model):
         seq = torch.cat([prompts[row // 2], continuations[row:row + 1]], dim=1)
         expected = model(seq)[0, -4:]  # logits after each continuation token
         torch.testing.assert_close(decoded[row], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_attention_is_attention_over_prompt_then_own_slots():
+    # 2 groups x 3 rows, 4 query heads on 2 kv heads; group 0's prompt has 5 of the 6 prefix slots, group 1's 2 (the
+    # rest is garbage, masked); each row has 4 own slots, the last one masked. Reference: SDPA over each row's
+    # sequence [its group's prompt tokens; its visible own slots].
+    torch.manual_seed(5)
+    G, R, P, S, H, n_kv_head, D = 2, 3, 6, 4, 4, 2, 8
+    q = torch.randn(G * R, 1, H, D)
+    k, v = torch.randn(G * R, S, n_kv_head, D), torch.randn(G * R, S, n_kv_head, D)
+    prefix_k, prefix_v = torch.randn(G, P, n_kv_head, D), torch.randn(G, P, n_kv_head, D)
+    prompt_len = [5, 2]
+    prefix_mask = torch.arange(P) < torch.tensor(prompt_len)[:, None]  # (G, P)
+    own_mask = (torch.arange(S) < S - 1)[None, None, None, :]  # (1, 1, 1, S)
+    y = shared_prefix_attention(q, k, v, own_mask, prefix_k, prefix_v, prefix_mask)  # (B, 1, H, D)
+    for b in range(G * R):
+        g, n = b // R, prompt_len[b // R]
+        keys = torch.cat([prefix_k[g, :n], k[b, :S - 1]])  # (n + S - 1, n_kv_head, D)
+        values = torch.cat([prefix_v[g, :n], v[b, :S - 1]])
+        expected = F.scaled_dot_product_attention(q[b].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                                  enable_gqa=True)  # (H, 1, D)
+        torch.testing.assert_close(y[b], expected.transpose(0, 1), atol=1e-6, rtol=1e-5)
+    assert torch.equal(shared_prefix_attention(q, k[:, :S - 1], v[:, :S - 1], None, prefix_k, prefix_v, prefix_mask),
+                       y)  # no mask: every own slot is visible
+
+
+def test_static_cache_with_shared_prompts_decodes_like_the_full_forward(model):
+    # Engine.generate's compiled-path layout for num_samples > 1, run uncompiled: 2 prompts (3 and 7 tokens) stored
+    # once each, 2 rows per prompt plus 2 padding groups' rows (4 groups), every row generating its own continuation.
+    torch.manual_seed(4)
+    prompts = [torch.randint(0, CONFIG.vocab_size, (1, n)) for n in (3, 7)]
+    continuations = torch.randint(0, CONFIG.vocab_size, (8, 4))  # rows 4-7: padding groups, outputs unread
+    prefills = []
+    for prompt in prompts:
+        prefills.append(KVCache(batch_size=1, max_len=prompt.size(1), n_layer=CONFIG.n_layer, device="cpu"))
+        model(prompt, kv_cache=prefills[-1])
+    cache = StaticKVCache(8, 8, prefills[0], groups=4, prefix_len=8)
+    with torch.inference_mode():
+        cache.prefix_keys[0].fill_(100.0)  # what an earlier call left behind: masked out
+        cache.load(prefills, repeats=2)
+        assert cache.lengths.tolist() == [3, 3, 7, 7, 0, 0, 0, 0] and cache.prefix_read == 7
+        decoded = torch.stack([model(continuations[:, t:t + 1], kv_cache=cache)[:, 0] for t in range(4)], dim=1)
+    for row in range(4):
+        seq = torch.cat([prompts[row // 2], continuations[row:row + 1]], dim=1)
+        torch.testing.assert_close(decoded[row], model(seq)[0, -4:], atol=1e-5, rtol=1e-5)
 
 
 def test_kv_cache_overflow_is_an_error(model):
