@@ -16,10 +16,12 @@ batching), each with its own Sampling (settings and seed): serve.py decodes conc
 Each step samples with sample_tokens (inverse CDF, one seeded uniform per row) from sampling_logits's distribution.
 Two decode steps compute the same logits: the eager one on a KVCache (the reference), and the compiled one
 (Engine(compiled=True), the default on CUDA) on a StaticKVCache the Engine keeps for its next call of the same shape,
-with the one-token forward compiled by torch.compile (CUDA graphs on CUDA). On CPU the compiled step decodes ~1.2x
-faster once compiled (bench/engine.py, 16-64 rows x 128 tokens), but its compiles take 10-30 s per process, more than
-a tiny-preset stage decodes for (20 RL steps of 16 prompts x 8 samples: 11.5 s eager, 43 s compiled, 29 s of it
-compiling), so eager stays the CPU default.
+with the one-token forward compiled by torch.compile (CUDA graphs on CUDA), and each prompt's keys and values stored
+once for all its samples (shared_prefix_attention in model.py). On CPU the compiled step decodes 1.3-1.8x faster
+than the eager one once compiled (bench/engine.py), but its compiles take 30-70 s per process, more than a
+tiny-preset stage decodes for (the tiny RL stage's rollouts, 20 calls of 16 prompts x 8 samples x 48 tokens: eager
+21.5 s; compiled 75 s, of which ~60 s compiling and 10.1 s for the 16 calls eager takes 17.9 s for), so eager stays
+the CPU default.
 """
 
 import argparse
