@@ -41,6 +41,7 @@ import torch.nn.functional as F
 # Where Engine decodes with the compiled step by default (device type -> bool); see bench/engine.py for the numbers.
 COMPILED_DEFAULT = {"cuda": True, "cpu": False}
 STATIC_LEN_MULTIPLE = 128  # StaticKVCache lengths are rounded up to a multiple of this (powers of two below it)
+COMPILED_GRAPH_LIMIT = 64  # graphs of the compiled decode step torch.compile may keep (Engine raises its limit to this)
 
 
 class KVCache:
@@ -485,6 +486,9 @@ class Engine:
         device = model.lm_head.weight.device
         self.compiled = COMPILED_DEFAULT.get(device.type, False) if compiled is None else compiled
         if self.compiled:
+            # One graph per cache layout (prompts shared or not) and, on CUDA, per cache shape; past torch.compile's
+            # default of 8 graphs per function it would decode eagerly from then on, with only a log line to say so.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_GRAPH_LIMIT)
             # CUDA: static shapes and CUDA graphs. CPU: automatic dynamic shapes, for StaticKVCache's read length.
             cuda = device.type == "cuda"
             self._step = torch.compile(_one_token_logits, dynamic=False if cuda else None,

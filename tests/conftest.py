@@ -25,6 +25,10 @@ import tasks
 from model import GPT, GPTConfig
 from tokenizer import Tokenizer
 
+# A compiled engine test that outgrew torch.compile's graph limit would decode eagerly and pass without testing the
+# compiled step: fail it instead.
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+
 # Two cores on CI: one intra-op thread per test process keeps timings predictable (torchrun tests start two).
 torch.set_num_threads(1)
 
