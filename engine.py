@@ -169,8 +169,8 @@ class StaticKVCache:
     own slots 0 .. slot and the longest prompt's prefix slots, counted on the host too (`filled`, `prefix_read`):
     there decoding is bound by reading the cache, and reading all max_len slots made the compiled step no faster than
     the eager one (bench/engine.py). Those lengths change every step and call; torch.compile's automatic dynamic
-    shapes recompile the step once, at the second length, with the length symbolic, and that graph serves every
-    length after.
+    shapes recompile the step the first time each one changes, with it symbolic from then on: a few compiles per
+    process, then one graph per layout serves every length.
     """
 
     def __init__(self, batch_size, max_len, prefill, groups=0, prefix_len=0):
