@@ -18,7 +18,7 @@ Two decode steps compute the same logits: the eager one on a KVCache (the refere
 (Engine(compiled=True), the default on CUDA) on a StaticKVCache the Engine keeps for its next call of the same shape,
 with the one-token forward compiled by torch.compile (CUDA graphs on CUDA), and each prompt's keys and values stored
 once for all its samples (shared_prefix_attention in model.py). On CPU the compiled step decodes 1.3-1.8x faster
-than the eager one once compiled (bench/engine.py), but its compiles take 30-70 s per process, more than a
+than the eager one once compiled (bench/engine.py), but its compiles take 10-70 s per process, more than a
 tiny-preset stage decodes for (the tiny RL stage's rollouts, 20 calls of 16 prompts x 8 samples x 48 tokens: eager
 21.5 s; compiled 75 s, of which ~60 s compiling and 10.1 s for the 16 calls eager takes 17.9 s for), so eager stays
 the CPU default.

@@ -2,8 +2,7 @@
 What the engine's speed-ups buy: the KV cache (each step runs 1 new token per row instead of the whole sequence),
 batched decoding (many prompts share each step's matmuls) and the compiled decode step (Engine(compiled=True): a
 StaticKVCache holding each prompt once for its samples, and a torch.compile'd one-token forward), side by side with
-nanochat's engine. A random-init model is
-enough: speed does not depend on the weights.
+nanochat's engine. A random-init model is enough: speed does not depend on the weights.
 
     python bench/engine.py                       # depth 4, vocab 2048, CPU: a few minutes on 2 cores
     python bench/engine.py --device cuda --depth 12 --num-prompts 64
