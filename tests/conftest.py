@@ -13,6 +13,7 @@ Shared fixtures of the suite. Where a test lives:
 
 import os
 import resource
+import signal
 import socket
 import subprocess
 import time
@@ -31,6 +32,127 @@ torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 # Two cores on CI: one intra-op thread per test process keeps timings predictable (torchrun tests start two).
 torch.set_num_threads(1)
+
+
+# -----------------------------------------------------------------------------
+# Process-wide state a test must leave as it found it. A leak (a patched torch.cuda.is_available, an env var, a
+# signal handler) would otherwise change every later test: the test that leaked fails by name instead, and the state
+# is put back so the next test starts clean.
+
+GUARDED_SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM,
+                   signal.SIGCHLD]
+GUARDED_ENV_PREFIXES = ("NANOPOST_", "WANDB_", "HF_")
+GUARDED_ENV = {"PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+               "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "NANOCHAT_DIR"}
+# name -> (read, restore): each reads one piece of process-wide state and can put a value of it back.
+GUARDED_ATTRIBUTES = {
+    **{f"torch.cuda.{name}": (torch.cuda, name) for name in ("is_available", "set_device", "device_count",
+                                                              "current_device", "synchronize")},
+    **{f"torch.{name}": (torch, name) for name in ("save", "load", "compile")},
+    **{f"torch.distributed.{name}": (torch.distributed, name) for name in dir(torch.distributed)
+       if not name.startswith("_") and callable(getattr(torch.distributed, name))},
+}
+GUARDED_VALUES = {
+    "torch.backends.cuda.matmul.allow_tf32": (lambda: torch.backends.cuda.matmul.allow_tf32,
+                                              lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v)),
+    "torch.backends.cudnn.allow_tf32": (lambda: torch.backends.cudnn.allow_tf32,
+                                        lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
+    "torch.backends.cudnn.benchmark": (lambda: torch.backends.cudnn.benchmark,
+                                       lambda v: setattr(torch.backends.cudnn, "benchmark", v)),
+    "torch.backends.cudnn.deterministic": (lambda: torch.backends.cudnn.deterministic,
+                                           lambda v: setattr(torch.backends.cudnn, "deterministic", v)),
+    "torch.get_float32_matmul_precision()": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    "torch.get_default_dtype()": (torch.get_default_dtype, torch.set_default_dtype),
+    "torch.get_default_device()": (torch.get_default_device, torch.set_default_device),
+    "torch.get_num_threads()": (torch.get_num_threads, torch.set_num_threads),
+    "torch.are_deterministic_algorithms_enabled()": (torch.are_deterministic_algorithms_enabled,
+                                                     torch.use_deterministic_algorithms),
+    "os.getcwd()": (os.getcwd, os.chdir),
+    **{f"signal handler {signal.Signals(number).name}": (lambda number=number: signal.getsignal(number),
+                                                         lambda v, number=number: signal.signal(number, v))
+       for number in GUARDED_SIGNALS},
+}
+
+
+def guarded_environment():
+    return {key: value for key, value in os.environ.items()
+            if key in GUARDED_ENV or key.startswith(GUARDED_ENV_PREFIXES)}
+
+
+def global_state():
+    """A snapshot of every piece of guarded state: {name: value}."""
+    state = {name: getattr(owner, attr) for name, (owner, attr) in GUARDED_ATTRIBUTES.items()}
+    state.update({name: read() for name, (read, _) in GUARDED_VALUES.items()})
+    state["torch.distributed.is_initialized() (a process group left open)"] = torch.distributed.is_initialized()
+    state["os.environ"] = guarded_environment()
+    return state
+
+
+def restore_global_state(before, after):
+    """Put back what differs from `before`; returns the names that differed."""
+    changed = [name for name in before if before[name] != after[name]]
+    for name in changed:
+        if name in GUARDED_ATTRIBUTES:
+            owner, attr = GUARDED_ATTRIBUTES[name]
+            setattr(owner, attr, before[name])
+        elif name in GUARDED_VALUES:
+            GUARDED_VALUES[name][1](before[name])
+        elif name == "os.environ":
+            for key in set(after[name]) - set(before[name]):
+                del os.environ[key]
+            os.environ.update(before[name])
+        elif torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return changed
+
+
+def describe_leak(name, before, after):
+    if name != "os.environ":
+        return f"{name} was {before[name]!r}, left {after[name]!r}"
+    was, left = before[name], after[name]
+    keys = sorted(key for key in set(was) | set(left) if was.get(key) != left.get(key))
+    return "environment variables " + ", ".join(f"{key} was {was.get(key)!r}, left {left.get(key)!r}" for key in keys)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[STATE_BEFORE] = global_state()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the test's own fixtures are torn down (even if one of them raised), compare with the state before its
+    setup; a test that left something behind fails with the list of what it left, and the state is restored."""
+    try:
+        return (yield)
+    finally:
+        before = item.stash.get(STATE_BEFORE, None)
+        if before is not None:
+            after = global_state()
+            changed = restore_global_state(before, after)
+            if changed:
+                item.stash[LEAKED] = True
+                raise AssertionError(f"{item.nodeid} left process-wide state changed (restored now): "
+                                     + "; ".join(describe_leak(name, before, after) for name in changed))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.when == "teardown" and item.stash.get(LEAKED, False):
+        report.leaked_global_state = True
+    return report
+
+
+def pytest_report_teststatus(report, config):
+    """A leak is the test's own failure, counted as `failed` (not as an error of the fixtures)."""
+    if getattr(report, "leaked_global_state", False) and report.failed:
+        return "failed", "F", "FAILED"
+
+
+STATE_BEFORE = pytest.StashKey[dict]()
+LEAKED = pytest.StashKey[bool]()
 
 
 @pytest.fixture(autouse=True)

@@ -312,14 +312,19 @@ def test_ranks_agree_about_every_ten_seconds_not_every_step(monkeypatch):
 def test_cuda_gets_expandable_segments_unless_the_user_chose(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    common.compute_init("cuda")
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-    common.compute_init("cuda")
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # records the user's value (or its absence) for the undo
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    # compute_init("cuda") turns TF32 on; the flags are restored by value (cuBLASModule serves allow_tf32 through
+    # __getattr__, which monkeypatch cannot undo: pytest 9.2's teardown delattr()s it and stops there).
+    matmul_tf32, cudnn_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        common.compute_init("cuda")
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+        common.compute_init("cuda")
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul_tf32, cudnn_tf32
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     common.compute_init("cpu")
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
