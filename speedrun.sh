@@ -52,6 +52,15 @@
 #     unknown: RL 4.0 sampling rounds per step (gsm8k pass@1 2% at the start) assumed; at 1: -25 min
 set -euo pipefail
 cd "$(dirname "$0")"
+# The interpreter every stage runs with: $PYTHON if set, else the `python` on PATH (an activated venv's), else python3
+# (a stock Debian/Ubuntu has no bare `python`). torchrun is launched as `$PYTHON -m torch.distributed.run`, the same
+# program as the `torchrun` script, so every rank runs the interpreter chosen here.
+PYTHON="${PYTHON:-$(command -v python || command -v python3 || true)}"
+if [ -z "$PYTHON" ]; then
+  echo "speedrun: no python or python3 on PATH; install Python 3.11+ and the requirements (README: Set-up)" >&2
+  exit 1
+fi
+echo "speedrun: python: $PYTHON ($("$PYTHON" -c 'import sys; print(sys.version.split()[0])'))"
 
 if [ "${1:-}" = "--dry-run" ]; then
   # The full preset as far as a machine without GPUs or hub access can check it: every stage builds its config,
@@ -60,21 +69,21 @@ if [ "${1:-}" = "--dry-run" ]; then
   DRY=$(mktemp -d)
   trap 'rm -rf "$DRY"' EXIT
   export NANOPOST_HOME="$DRY/home" NANOPOST_DATA_DIR="$DRY/data"
-  python -c "import tasks; tasks.write_stand_in_data('$NANOPOST_DATA_DIR')"
-  python tokenizer.py --preset full --max-chars 20000000
+  "$PYTHON" -c "import tasks; tasks.write_stand_in_data('$NANOPOST_DATA_DIR')"
+  "$PYTHON" tokenizer.py --preset full --max-chars 20000000
   BASE="$NANOPOST_HOME/checkpoints/base"
-  python pretrain.py --preset full --dry-run --device cpu
-  python sft.py --preset full --dry-run --device cpu --ckpt "$BASE"
-  python dpo.py --preset full --dry-run --device cpu --ckpt "$BASE"
-  python rl.py --preset full --dry-run --device cpu --ckpt "$BASE"
+  "$PYTHON" pretrain.py --preset full --dry-run --device cpu
+  "$PYTHON" sft.py --preset full --dry-run --device cpu --ckpt "$BASE"
+  "$PYTHON" dpo.py --preset full --dry-run --device cpu --ckpt "$BASE"
+  "$PYTHON" rl.py --preset full --dry-run --device cpu --ckpt "$BASE"
   # The small preset, planned for one 24 GB GPU: its own stand-in base (depth 8, 1,024-token context).
   SMALL="$NANOPOST_HOME/checkpoints/base-small"
-  python pretrain.py --preset small --dry-run --device cpu --out "$SMALL"
-  python sft.py --preset small --dry-run --device cpu --ckpt "$SMALL"
-  python dpo.py --preset small --dry-run --device cpu --ckpt "$SMALL"
-  python rl.py --preset small --dry-run --device cpu --ckpt "$SMALL"
-  python plan.py --preset full
-  python plan.py --preset small
+  "$PYTHON" pretrain.py --preset small --dry-run --device cpu --out "$SMALL"
+  "$PYTHON" sft.py --preset small --dry-run --device cpu --ckpt "$SMALL"
+  "$PYTHON" dpo.py --preset small --dry-run --device cpu --ckpt "$SMALL"
+  "$PYTHON" rl.py --preset small --dry-run --device cpu --ckpt "$SMALL"
+  "$PYTHON" plan.py --preset full
+  "$PYTHON" plan.py --preset small
   echo "speedrun --dry-run: every stage of the full and small presets built its model and data pipeline"
   exit 0
 fi
@@ -85,15 +94,15 @@ if [ "${1:-}" = "--rlhf" ]; then
   # model's score, so over-optimisation shows. Reuses finished tokenizer/base/SFT stages (each gets --resume).
   export NANOPOST_HOME="${NANOPOST_HOME:-$HOME/.cache/nanopost}"
   CK="$NANOPOST_HOME/checkpoints"
-  [ -f "$NANOPOST_HOME/tokenizer/tokenizer.json" ] || python tokenizer.py --preset tiny
-  python pretrain.py --preset tiny --resume
-  python sft.py --preset tiny --resume
-  python rm.py --preset tiny --resume
+  [ -f "$NANOPOST_HOME/tokenizer/tokenizer.json" ] || "$PYTHON" tokenizer.py --preset tiny
+  "$PYTHON" pretrain.py --preset tiny --resume
+  "$PYTHON" sft.py --preset tiny --resume
+  "$PYTHON" rm.py --preset tiny --resume
   # 12 steps of 8 prompts x 8 samples: enough for the reward model's score to rise well past where the verifier's
   # accuracy follows it (README: "RL from a reward model"), and short enough for the 15-minute budget.
-  python rl.py --preset tiny --resume --ckpt "$CK/sft" --out "$CK/rlhf" --reward rm --rm-ckpt "$CK/rm" \
+  "$PYTHON" rl.py --preset tiny --resume --ckpt "$CK/sft" --out "$CK/rlhf" --reward rm --rm-ckpt "$CK/rm" \
     --num-steps 12 --eval-every 12 --prompts-per-step 8 --eval-problems 128 --eval-samples 4 --lr-frac 0.25
-  python eval.py --preset tiny --stage sft rlhf --num-samples 4 --k 1,4 --tasks synthetic --max-problems 128
+  "$PYTHON" eval.py --preset tiny --stage sft rlhf --num-samples 4 --k 1,4 --tasks synthetic --max-problems 128
   echo "speedrun --rlhf: done. Report card: $NANOPOST_HOME/report.md"
   exit 0
 fi
@@ -111,14 +120,14 @@ prepare_data() {
   export NANOPOST_DATA_DIR="${NANOPOST_DATA_DIR:-$NANOPOST_HOME/data}"
   local shards=()
   [ "$PRESET" = small ] && shards=(--fineweb-shards 2)
-  "${LIMIT[@]}" python tasks.py prepare --dest "$NANOPOST_DATA_DIR" "${shards[@]}"
+  "${LIMIT[@]}" "$PYTHON" tasks.py prepare --dest "$NANOPOST_DATA_DIR" "${shards[@]}"
 }
 
 run_chain() {
   if [ -f "$NANOPOST_HOME/tokenizer/tokenizer.json" ]; then
     echo "speedrun: tokenizer already trained, skipping"
   else
-    "${LIMIT[@]}" python tokenizer.py --preset "$PRESET"
+    "${LIMIT[@]}" "$PYTHON" tokenizer.py --preset "$PRESET"
   fi
   "${LIMIT[@]}" "${LAUNCH[@]}" pretrain.py "${STAGE_FLAGS[@]}"
   "${LIMIT[@]}" "${LAUNCH[@]}" sft.py "${STAGE_FLAGS[@]}"
@@ -148,8 +157,8 @@ if [ "${1:-}" = "--rehearse" ]; then
   fi
   export NANOPOST_REHEARSAL=1 HF_HUB_OFFLINE=1 NANOPOST_DATA_DIR="$REH/data"
   LIMIT=(timeout -k 30 "${REHEARSAL_TIMEOUT:-600}")
-  [ -d "$NANOPOST_DATA_DIR" ] || "${LIMIT[@]}" python -c "import tasks; tasks.write_stand_in_data('$NANOPOST_DATA_DIR')"
-  LAUNCH=(torchrun --standalone --nproc_per_node=2)
+  [ -d "$NANOPOST_DATA_DIR" ] || "${LIMIT[@]}" "$PYTHON" -c "import tasks; tasks.write_stand_in_data('$NANOPOST_DATA_DIR')"
+  LAUNCH=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2)
   for PRESET in small full; do
     SECONDS=0
     export NANOPOST_HOME="$REH/$PRESET"
@@ -157,7 +166,7 @@ if [ "${1:-}" = "--rehearse" ]; then
     echo "speedrun --rehearse: preset $PRESET, launch: ${LAUNCH[*]} STAGE.py ${STAGE_FLAGS[*]}"
     prepare_data
     run_chain
-    "${LIMIT[@]}" python -c "import common; common.run_cli(lambda: common.check_report(['tokenizer', 'pretrain', \
+    "${LIMIT[@]}" "$PYTHON" -c "import common; common.run_cli(lambda: common.check_report(['tokenizer', 'pretrain', \
 'sft', 'dpo', 'rl', 'eval:base', 'eval:sft', 'eval:dpo', 'eval:rl', 'coverage:sft', 'coverage:rl']))"
     echo "speedrun --rehearse: preset $PRESET passed in ${SECONDS}s"
   done
@@ -178,15 +187,15 @@ trap on_exit EXIT
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 RUN="${WANDB_RUN:-dummy}"
 # The preset from the GPUs found (plan.py --choose prints why; NANOPOST_FAKE_GPUS stubs the query in tests).
-read -r CHOSEN NPROC < <(python plan.py --choose)
+read -r CHOSEN NPROC < <("$PYTHON" plan.py --choose)
 if [ -n "${PRESET:-}" ]; then
   echo "speedrun: PRESET=$PRESET overrides the choice ($CHOSEN)"
 else
   PRESET=$CHOSEN
 fi
 case "$PRESET" in
-  tiny) LAUNCH=(python) ;;
-  small|full) LAUNCH=(torchrun --standalone --nproc_per_node="$([ "$NPROC" -gt 0 ] && echo "$NPROC" || echo 1)") ;;
+  tiny) LAUNCH=("$PYTHON") ;;
+  small|full) LAUNCH=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$([ "$NPROC" -gt 0 ] && echo "$NPROC" || echo 1)") ;;
   *) echo "speedrun: PRESET must be tiny, small or full, got '$PRESET'" >&2; exit 1 ;;
 esac
 STAGE_FLAGS=(--preset "$PRESET" --wandb-run "$RUN" --resume)
@@ -206,4 +215,4 @@ echo "speedrun: writing to $NANOPOST_HOME; wandb run: $RUN"
 if [ "$PRESET" != tiny ]; then prepare_data; fi
 run_chain
 echo "speedrun: done. Report card: $NANOPOST_HOME/report.md"
-echo "speedrun: chat with the result: python engine.py --ckpt $NANOPOST_HOME/checkpoints/rl"
+echo "speedrun: chat with the result: $PYTHON engine.py --ckpt $NANOPOST_HOME/checkpoints/rl"

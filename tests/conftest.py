@@ -16,6 +16,7 @@ import resource
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -255,7 +256,8 @@ def rehearsal(tmp_path_factory):
     <folder>/full are the presets' NANOPOST_HOMEs, <folder>/data the stand-in hub data. The process also carries
     `seconds` (wall time) and `cpu_seconds` (user + system time of every process it started)."""
     folder = tmp_path_factory.mktemp("rehearsal")
-    env = {**os.environ, "REHEARSAL_DIR": str(folder), "REHEARSAL_TIMEOUT": str(LAUNCH_TIMEOUT)}
+    env = {**os.environ, "REHEARSAL_DIR": str(folder), "REHEARSAL_TIMEOUT": str(LAUNCH_TIMEOUT),
+           "PYTHON": sys.executable}
     env.pop("NANOPOST_HOME", None)
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
     result = subprocess.run(["bash", str(Path(__file__).resolve().parents[1] / "speedrun.sh"), "--rehearse"], env=env,

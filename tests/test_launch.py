@@ -80,25 +80,47 @@ def test_no_flag_is_a_prefix_of_a_torchrun_option(script, monkeypatch):
         assert parsed.training_script_args == [flag, "1"]
 
 
-def speedrun_launch(preset, nproc, tmp_path):
-    """The launch line `speedrun.sh --choose` prints for a stage: (launcher words, script, stage flags)."""
+def speedrun_launch(preset, nproc, tmp_path, path=None):
+    """The launch line `speedrun.sh --choose` prints for a stage: (its output, launcher words, stage flags), run with
+    this interpreter as $PYTHON; `path` replaces PATH and unsets $PYTHON, so speedrun.sh looks for one there."""
     env = {**os.environ, "PRESET": preset, "NANOPOST_FAKE_GPUS": f"{nproc}x81559",
-           "NANOPOST_HOME": str(tmp_path)}
+           "NANOPOST_HOME": str(tmp_path), "PYTHON": sys.executable}
+    if path is not None:
+        env["PATH"] = path
+        env.pop("PYTHON", None)
     out = subprocess.run(["bash", str(ROOT / "speedrun.sh"), "--choose"], env=env, capture_output=True, text=True,
                          check=True).stdout
     line = next(line for line in out.splitlines() if line.startswith("speedrun: stage launch: "))
     words = line.removeprefix("speedrun: stage launch: ").split()
     at = words.index("STAGE.py")
-    return words[:at], words[at + 1:]
+    return out, words[:at], words[at + 1:]
 
 
 def test_speedrun_launch_line_reaches_the_stage(tmp_path):
-    """The words speedrun.sh puts after torchrun parse as torchrun's, and every stage gets its flags untouched."""
-    launcher, flags = speedrun_launch("small", 1, tmp_path)
-    assert launcher[0] == "torchrun" and "--wandb-run" in flags
+    """The words speedrun.sh puts after `python -m torch.distributed.run` (torchrun) parse as torchrun's, and every
+    stage gets its flags untouched."""
+    _, launcher, flags = speedrun_launch("small", 1, tmp_path)
+    assert launcher[1:3] == ["-m", "torch.distributed.run"] and "--wandb-run" in flags
     for script in ("pretrain.py", "sft.py", "dpo.py", "rl.py", "eval.py"):
-        parsed = get_args_parser().parse_args(launcher[1:] + [script] + flags)
+        parsed = get_args_parser().parse_args(launcher[3:] + [script] + flags)
         assert parsed.training_script == script and parsed.training_script_args == flags
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_speedrun_runs_where_only_python3_exists(preset, tmp_path):
+    """A stock Debian/Ubuntu has python3 and no `python`: speedrun.sh takes python3, says so, and launches every
+    stage (and torchrun) with it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"  # this interpreter under the only name on PATH (a link would lose the venv)
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
+    for tool in ("bash", "dirname", "nproc", "cat"):
+        (bin_dir / tool).symlink_to(subprocess.run(["which", tool], capture_output=True, text=True,
+                                                   check=True).stdout.strip())
+    out, launcher, _ = speedrun_launch(preset, 1 if preset == "small" else 0, tmp_path, path=str(bin_dir))
+    assert f"speedrun: python: {python3} (" in out
+    assert launcher[0] == str(python3)
 
 
 # -----------------------------------------------------------------------------
