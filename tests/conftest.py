@@ -107,9 +107,16 @@ def restore_global_state(before, after):
     return changed
 
 
+def describe_value(value):
+    """A function by where it was defined (a test's lambda names the test), anything else by its repr."""
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return repr(value)
+
+
 def describe_leak(name, before, after):
     if name != "os.environ":
-        return f"{name} was {before[name]!r}, left {after[name]!r}"
+        return f"{name} was {describe_value(before[name])}, left {describe_value(after[name])}"
     was, left = before[name], after[name]
     keys = sorted(key for key in set(was) | set(left) if was.get(key) != left.get(key))
     return "environment variables " + ", ".join(f"{key} was {was.get(key)!r}, left {left.get(key)!r}" for key in keys)
