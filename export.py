@@ -24,6 +24,10 @@ The architectures are the same function, parameter for parameter:
     RoPE (x1 cos + x2 sin, x2 cos - x1 sin)   the same: NanoChat's rotate_half is (x2, -x1)
     LOGIT_SOFTCAP 15, ROTARY_BASE             final_logit_softcapping, rope_parameters.rope_theta
 
+--format mlx writes the same folder for mlx-lm, whose models/nanochat.py loads nanochat's own names strictly
+(transformer.wte, transformer.h.i.attn.c_q, ..., lm_head: model.py's names under `transformer.`) and reads rope_theta
+from the top of config.json. Its RMSNorm epsilon is fixed at 1e-5 (here float32's): logits differ by ~1e-5.
+
 Anything else (a config field, a parameter, a tokenizer setting the other side cannot hold) is refused with a one-line
 error naming it. Both directions then run the two models on a probe batch and refuse to write a model whose logits
 differ by more than PROBE_TOLERANCE, and encode probe texts with both tokenizers and refuse on any difference.
