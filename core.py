@@ -84,8 +84,9 @@ def download_bundle(root, url=BUNDLE_URL):
     have = part.stat().st_size if part.exists() else 0
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
     print(f"prepare: {url} -> {root / BUNDLE_DIR}" + (f" (resuming at {have} bytes)" if have else ""), flush=True)
-    with urllib.request.urlopen(request, timeout=60) as response, open(part, "ab" if response.status == 206 else "wb") as f:
-        shutil.copyfileobj(response, f, length=1 << 20)
+    with urllib.request.urlopen(request, timeout=60) as response:
+        with open(part, "ab" if response.status == 206 else "wb") as f:  # 200: the server sent the whole file
+            shutil.copyfileobj(response, f, length=1 << 20)
     zipped = part.with_suffix("")  # eval_bundle.zip
     part.replace(zipped)
     unpacked = root / (BUNDLE_DIR + ".tmp")
@@ -302,7 +303,7 @@ def evaluate_core(model, tokenizer, tasks, label=None):
 
 
 def bundle_root():
-    """The folder that holds eval_bundle: $NANOPOST_DATA_DIR, else $NANOPOST_HOME/data (where tasks.py prepare puts it)."""
+    """The folder holding eval_bundle: $NANOPOST_DATA_DIR, else $NANOPOST_HOME/data (where tasks.py prepare puts it)."""
     from common import get_base_dir
 
     return Path(os.environ.get("NANOPOST_DATA_DIR") or get_base_dir() / "data")

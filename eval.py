@@ -24,8 +24,8 @@ What is measured (--tasks):
   so a model that would ramble first is still scored on what it believes.
 - core: nanochat's headline number, the DCLM CORE metric (core.py): 22 few-shot tasks of the eval bundle
   (`python tasks.py prepare` downloads it), each task's accuracy centred on its random baseline, then averaged
-  (0 = chance, 1 = perfect; GPT-2 1.5B 0.2565). Every item (full), the first 500 per task (small) or --max-problems. Any stage can be scored;
-  the GPU presets score the base checkpoint, as nanochat's leaderboard does.
+  (0 = chance, 1 = perfect; GPT-2 1.5B 0.2565). Every item (full), the first 500 per task (small) or
+  --max-problems. Any stage can be scored; the GPU presets score the base checkpoint, as nanochat's leaderboard does.
 - synthetic, gsm8k: generative. num_samples completions per problem from the engine (calculator on), checked by
   the task's strict verifier. pass@k is the unbiased estimator (report.pass_at_k) averaged over problems. One sample is
   greedy by default; several are sampled at temperature 1, the policy's own distribution. Next to pass@k, maj@k
@@ -85,10 +85,12 @@ PRESETS = {
     # small: one 24 GB GPU; the first 400 problems of each task keep the generative ones to minutes.
     # core (core.py): base checkpoints only. core_items: items per task (None: all, the leaderboard's number; small:
     # the first 500 of each shuffled task, the estimate nanochat's base_train.py prints during training).
-    "small": {"base_tasks": "bpb,core,arc-easy,arc-challenge,mmlu", "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu",
-              "core_items": 500, "max_problems": 400, "max_tokens": 512, "bpb_tokens": 10 * 131072, "batch_size": 32},
-    "full": {"base_tasks": "bpb,core,arc-easy,arc-challenge,mmlu", "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu",
-             "core_items": None, "max_problems": None, "max_tokens": 512, "bpb_tokens": 10 * 524288, "batch_size": 32},
+    "small": {"base_tasks": "bpb,core,arc-easy,arc-challenge,mmlu",
+              "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu", "core_items": 500, "max_problems": 400,
+              "max_tokens": 512, "bpb_tokens": 10 * 131072, "batch_size": 32},
+    "full": {"base_tasks": "bpb,core,arc-easy,arc-challenge,mmlu",
+             "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu", "core_items": None, "max_problems": None,
+             "max_tokens": 512, "bpb_tokens": 10 * 524288, "batch_size": 32},
 }
 common.rehearse(PRESETS, "eval.py")  # at import: sft.py reads these too (its bpb check)
 
@@ -456,8 +458,8 @@ def main(argv=None):
                         help="evaluate several stages' checkpoints (e.g. --compare sft rl, or sft,rl) and print their "
                              "coverage side by side; needs --num-samples > 1")
     parser.add_argument("--tasks", default=None,
-                        help="comma-separated: bpb, core, synthetic, gsm8k, arc-easy, arc-challenge, mmlu (default: the "
-                             "preset's list for base or for chat checkpoints)")
+                        help="comma-separated: bpb, core, synthetic, gsm8k, arc-easy, arc-challenge, mmlu (default: "
+                             "the preset's list for base or for chat checkpoints)")
     parser.add_argument("--num-samples", type=int, default=1, help="completions per problem for generative tasks")
     parser.add_argument("--k", default=None, help="comma-separated k of pass@k to report (default: 1 and num-samples)")
     parser.add_argument("--temperature", type=float, default=None,

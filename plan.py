@@ -64,8 +64,8 @@ def eval_plan(preset, config):
                                       logits_chunk=LOGITS_CHUNK_TOKENS)
     flops = common.model_size(config)[1]
     core_tokens = core.plan_forward_tokens(values["core_items"]) if "core" in values["base_tasks"].split(",") else 0
-    return common.stage_plan("eval", preset, config, 0, LOGITS_CHUNK_TOKENS, (4 * values["bpb_tokens"] + core_tokens) / 3,
-                             flops,
+    forward_tokens = 4 * values["bpb_tokens"] + core_tokens
+    return common.stage_plan("eval", preset, config, 0, LOGITS_CHUNK_TOKENS, forward_tokens / 3, flops,
                              decode_tokens=decode, phase_bytes=max(generation, forward))
 
 

@@ -266,7 +266,7 @@ def core_table(evals):
     lines = ["", "## CORE", "", "The DCLM CORE metric as nanochat computes it (core.py): per task, accuracy and "
              "centred accuracy (acc - baseline) / (1 - baseline); CORE is the mean of the centred accuracies "
              "(0 = chance; GPT-2 1.5B: 0.2565).", "",
-             "| task | type | shots | items | " + " | ".join(f"{stage} acc | {stage} centred" for stage in scored) + " |",
+             "| task | type | shots | items | " + "".join(f"{stage} acc | {stage} centred | " for stage in scored).rstrip(),
              "|---|---|---|---|" + "---|---|" * len(scored)]
     for task, first in next(iter(scored.values()))["core"].items():
         cells = [f"{format_value(e['core'][task]['acc'])} | {format_value(e['core'][task]['centred'])}"

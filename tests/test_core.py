@@ -48,7 +48,8 @@ def test_scored_spans_by_hand():
     assert core.common_length([[1, 2, 3], [1, 2, 4, 5]], "left") == 2
     assert core.common_length([[9, 2, 3], [1, 2, 3]], "right") == 2
     assert core.common_length([[1, 2], [1, 2, 3]], "left") == 2
-    assert core.scored_spans("multiple_choice", [[1, 2, 3], [1, 2, 4, 5]]) == ([[1, 2, 3], [1, 2, 4, 5]], [2, 2], [3, 4])
+    assert core.scored_spans("multiple_choice", [[1, 2, 3], [1, 2, 4, 5]]) == \
+        ([[1, 2, 3], [1, 2, 4, 5]], [2, 2], [3, 4])
     assert core.scored_spans("schema", [[1, 7, 8, 3], [1, 9, 3]]) == ([[1, 7, 8, 3], [1, 9, 3]], [3, 2], [4, 3])
     assert core.scored_spans("language_modeling", [[1, 2], [1, 2, 5, 6]]) == ([[1, 2, 5, 6]], [2], [4])
     with pytest.raises(ValueError, match="not a prefix"):

@@ -23,7 +23,7 @@ from model import GPT, GPTConfig
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The tiny preset's model (default init, ends its turn now and then) saved as a checkpoint: (model, tok, folder)."""
+    """The tiny preset's model (default init, ends its turn now and then) as a checkpoint: (model, tokenizer, root)."""
     tokenizer = make_tokenizer()
     preset = pretrain.PRESETS["tiny"]
     torch.manual_seed(1)
