@@ -25,6 +25,11 @@ Then centred accuracy and CORE:
     centred_t = (acc_t - b_t) / (1 - b_t),  b_t = random baseline_t / 100;   CORE = mean_t centred_t
 
 so chance is 0 and a perfect model 1 on every task (a model below chance is negative).
+
+Two differences from nanochat, both deliberate: a row longer than the model's context is cut from the left (nanochat
+cuts only for models with a max_seq_len, e.g. GPT-2), and an item nanochat would stop on an assertion for (a
+language-modelling prompt whose tokens are not a prefix of the prompt with its continuation) counts as wrong and is
+counted in "errors".
 """
 
 import csv
