@@ -23,7 +23,7 @@
 #   SFT        SmolTalk + GSM8K train (calculator calls rendered as tool use)
 #   DPO        UltraFeedback-binarized preference pairs
 #   RL         GRPO on GSM8K train, verified by exact match of the '####' answer
-#   eval       val bpb, CORE (base), ARC/MMLU, GSM8K pass@1/pass@k, coverage SFT vs RL, report.md
+#   eval       val bpb, CORE of base (GPU presets), ARC/MMLU, GSM8K pass@1/pass@k, coverage SFT vs RL, report.md
 # The budget: `python plan.py --preset full|small`, from each stage's plan() (its --dry-run prints the same), not a
 # measurement: FLOPs at an assumed MFU (40% pretraining, 25% post-training), rollouts and evaluations at an assumed
 # decode rate (10,000 tokens/s per H100, 8,000 per 24 GB GPU), RL's sampling rounds per step from an assumed

@@ -1128,7 +1128,7 @@ def prepare(dest, fineweb_shards=None):
         print(f"prepare: {dest} already holds every split the presets read (checked offline); nothing to download")
         return
     shards = f" --fineweb-shards {fineweb_shards}" if fineweb_shards else ""
-    where = (f"{len(missing)} of {len(PREPARED_SPLITS)} splits are missing in {dest} ({'; '.join(missing)}); run "
+    where = (f"{dest} lacks {len(missing)} of what the presets read ({'; '.join(missing)}); run "
              f"`python tasks.py prepare --dest DIR{shards}` on a machine with internet and copy DIR to {dest}")
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no"):
         raise UserError(f"HF_HUB_OFFLINE is set and {where}")

@@ -191,12 +191,17 @@ def test_core_of_a_scripted_model_is_the_hand_count(tmp_path):
     assert result["core"] == 0.3125
 
 
-def test_missing_bundle_is_named_with_the_command_that_fetches_it(tmp_path):
+def test_missing_bundle_is_named_with_the_command_that_fetches_it(tmp_path, monkeypatch):
     with pytest.raises(common.UserError, match="tasks.py prepare"):
         core.load_bundle(tmp_path)
     assert core.bundle_missing(tmp_path)
     tasks.write_stand_in_data(tmp_path, documents=20, rows=8)
     assert core.bundle_missing(tmp_path) == [] and tasks.missing_data(tmp_path) == []
+    tasks.prepare(tmp_path)  # complete: checked offline, nothing downloaded
+    (tmp_path / "eval_bundle" / "eval_data" / "lm.jsonl").unlink()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(common.UserError, match=r"lacks 1 of what the presets read \(eval bundle .*lm.jsonl"):
+        tasks.prepare(tmp_path)
 
 
 class BundleServer(http.server.BaseHTTPRequestHandler):
