@@ -22,6 +22,10 @@ What is measured (--tasks):
   Chat checkpoints: the question and its lettered choices are one user turn; the answer is the letter whose token
   gets the highest log-prob right after <|assistant_start|>, among the choices' letters. No sampling and no parsing,
   so a model that would ramble first is still scored on what it believes.
+- core: nanochat's headline number, the DCLM CORE metric (core.py): 22 few-shot tasks of the eval bundle
+  (`python tasks.py prepare` downloads it), each task's accuracy centred on its random baseline, then averaged
+  (0 = chance, 1 = perfect; GPT-2 1.5B 0.2565). Every item (full), the first 500 per task (small) or
+  --max-problems. Any stage can be scored; the GPU presets score the base checkpoint, as nanochat's leaderboard does.
 - synthetic, gsm8k: generative. num_samples completions per problem from the engine (calculator on), checked by
   the task's strict verifier. pass@k is the unbiased estimator (report.pass_at_k) averaged over problems. One sample is
   greedy by default; several are sampled at temperature 1, the policy's own distribution. Next to pass@k, maj@k
@@ -56,6 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import common
+import core
 import report
 from common import autocast_ctx, format_eta, get_dist_info, print0
 from engine import Engine, load_model
@@ -75,13 +80,17 @@ PRESETS = {
     # tiny: the synthetic world only (offline, seconds on a CPU). The hub tasks are the small and full presets'.
     # bpb_tokens: the validation tokens of pretrain.py's presets, so the base checkpoint's bpb is its final val_bpb.
     # tiny max_problems: the 128 held-out problems rl.py's own evaluation samples too.
-    "tiny": {"base_tasks": "bpb", "chat_tasks": "bpb,synthetic", "max_problems": 128, "max_tokens": 96,
-             "bpb_tokens": 16384, "batch_size": 32},
+    "tiny": {"base_tasks": "bpb", "chat_tasks": "bpb,synthetic", "core_items": None, "max_problems": 128,
+             "max_tokens": 96, "bpb_tokens": 16384, "batch_size": 32},
     # small: one 24 GB GPU; the first 400 problems of each task keep the generative ones to minutes.
-    "small": {"base_tasks": "bpb,arc-easy,arc-challenge,mmlu", "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu",
-              "max_problems": 400, "max_tokens": 512, "bpb_tokens": 10 * 131072, "batch_size": 32},
-    "full": {"base_tasks": "bpb,arc-easy,arc-challenge,mmlu", "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu",
-             "max_problems": None, "max_tokens": 512, "bpb_tokens": 10 * 524288, "batch_size": 32},
+    # core (core.py): base checkpoints only. core_items: items per task (None: all, the leaderboard's number; small:
+    # the first 500 of each shuffled task, the estimate nanochat's base_train.py prints during training).
+    "small": {"base_tasks": "bpb,core,arc-easy,arc-challenge,mmlu",
+              "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu", "core_items": 500, "max_problems": 400,
+              "max_tokens": 512, "bpb_tokens": 10 * 131072, "batch_size": 32},
+    "full": {"base_tasks": "bpb,core,arc-easy,arc-challenge,mmlu",
+             "chat_tasks": "bpb,gsm8k,arc-easy,arc-challenge,mmlu", "core_items": None, "max_problems": None,
+             "max_tokens": 512, "bpb_tokens": 10 * 524288, "batch_size": 32},
 }
 common.rehearse(PRESETS, "eval.py")  # at import: sft.py reads these too (its bpb check)
 
@@ -449,8 +458,8 @@ def main(argv=None):
                         help="evaluate several stages' checkpoints (e.g. --compare sft rl, or sft,rl) and print their "
                              "coverage side by side; needs --num-samples > 1")
     parser.add_argument("--tasks", default=None,
-                        help="comma-separated: bpb, synthetic, gsm8k, arc-easy, arc-challenge, mmlu (default: the "
-                             "preset's list for base or for chat checkpoints)")
+                        help="comma-separated: bpb, core, synthetic, gsm8k, arc-easy, arc-challenge, mmlu (default: "
+                             "the preset's list for base or for chat checkpoints)")
     parser.add_argument("--num-samples", type=int, default=1, help="completions per problem for generative tasks")
     parser.add_argument("--k", default=None, help="comma-separated k of pass@k to report (default: 1 and num-samples)")
     parser.add_argument("--temperature", type=float, default=None,
@@ -491,9 +500,9 @@ def main(argv=None):
     if any(not 1 <= k <= args.num_samples for k in ks):
         parser.error(f"--k {args.k}: every k must be between 1 and --num-samples ({args.num_samples})")
     for name in (args.tasks or "").split(","):
-        if name.strip() and name.strip() not in ("bpb",) + GENERATIVE_TASKS + MC_TASKS:
+        if name.strip() and name.strip() not in ("bpb", "core") + GENERATIVE_TASKS + MC_TASKS:
             parser.error(f"--tasks: unknown task {name.strip()!r}; "
-                         f"expected bpb, {', '.join(GENERATIVE_TASKS + MC_TASKS)}")
+                         f"expected bpb, core, {', '.join(GENERATIVE_TASKS + MC_TASKS)}")
     temperature = args.temperature if args.temperature is not None else (0.0 if args.num_samples == 1 else 1.0)
     max_tokens = args.max_tokens or preset["max_tokens"]
     max_problems = args.max_problems or preset["max_problems"]
@@ -513,7 +522,7 @@ def main(argv=None):
         engine = Engine(model, tokenizer)
         task_names = [name.strip() for name in (args.tasks or preset["base_tasks" if stage == "base" else "chat_tasks"])
                       .split(",") if name.strip()]
-        metrics, coverage = {}, {}
+        metrics, coverage, core_tasks = {}, {}, {}
         for name in task_names:
             t0 = time.time()
             label = f"{stage} {name}"
@@ -522,6 +531,11 @@ def main(argv=None):
                 batches = validation_batches(tokenizer, args.preset, batch_size, model.config.sequence_len, bpb_tokens)
                 metrics["bpb"] = evaluate_bpb(model, batches, token_bytes, device)
                 shown = f"bpb {metrics['bpb']:.4f}"
+            elif name == "core":
+                bundle = core.load_bundle(core.bundle_root(), args.max_problems or preset["core_items"])
+                result = core.evaluate_core(model, tokenizer, bundle, label)
+                metrics["core"], core_tasks = result["core"], result["tasks"]
+                shown = f"CORE {result['core']:.4f} ({len(core_tasks)} tasks, centred accuracy)"
             elif name in MC_TASKS:
                 task = task_by_name(name, "test", max_problems)
                 items = [task[i] for i in range(len(task))]
@@ -558,7 +572,7 @@ def main(argv=None):
                               "step": meta.get("step"), "preset": args.preset, "seconds": time.time() - t_stage,
                               "settings": {"num_samples": args.num_samples, "temperature": temperature,
                                            "top_k": args.top_k, "max_tokens": max_tokens, "max_problems": max_problems},
-                              "metrics": metrics, "coverage": coverage})
+                              "metrics": metrics, "coverage": coverage, **({"core": core_tasks} if core_tasks else {})})
     logger.log(logged, step=0)
     if get_dist_info()[1] == 0:
         if args.compare:

@@ -3,6 +3,7 @@ To and from the Hugging Face `NanoChat` format (transformers' native `nanochat` 
 
     python export.py --ckpt $NANOPOST_HOME/checkpoints/sft --out hf/nanopost-sft              # checkpoint -> HF folder
     python export.py --import hf/nanopost-sft --out $NANOPOST_HOME/checkpoints/imported     # HF folder -> checkpoint
+    python export.py --ckpt $NANOPOST_HOME/checkpoints/sft --out mlx/nanopost-sft --format mlx  # for mlx-lm
 
 Export writes config.json (model_type nanochat), model.safetensors (float32), generation_config.json (generation
 stops at <|assistant_end|> or <|bos|>, where engine.py stops), tokenizer.json (byte-level BPE: the same split regex,
@@ -22,6 +23,10 @@ The architectures are the same function, parameter for parameter:
     QK-norm, then RoPE                        RoPE, then QK-norm: equal, as the rotation keeps each head's RMS
     RoPE (x1 cos + x2 sin, x2 cos - x1 sin)   the same: NanoChat's rotate_half is (x2, -x1)
     LOGIT_SOFTCAP 15, ROTARY_BASE             final_logit_softcapping, rope_parameters.rope_theta
+
+--format mlx writes the same folder for mlx-lm, whose models/nanochat.py loads nanochat's own names strictly
+(transformer.wte, transformer.h.i.attn.c_q, ..., lm_head: model.py's names under `transformer.`) and reads rope_theta
+from the top of config.json. Its RMSNorm epsilon is fixed at 1e-5 (here float32's): logits differ by ~1e-5.
 
 Anything else (a config field, a parameter, a tokenizer setting the other side cannot hold) is refused with a one-line
 error naming it. Both directions then run the two models on a probe batch and refuse to write a model whose logits
@@ -82,6 +87,18 @@ def hf_key(key):
     if len(parts) == 5 and parts[0] == "blocks" and parts[4] == "weight" and (parts[2], parts[3]) in BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{BLOCK_NAMES[parts[2], parts[3]]}.weight"
     return None
+
+
+def nanochat_key(key):
+    """The name nanochat itself (and mlx-lm's models/nanochat.py) gives a GPT state-dict key: transformer.wte,
+    transformer.h.{i}.attn.c_q, ..., lm_head: model.py's names under nanochat's `transformer.` module dict."""
+    if key == "lm_head.weight":
+        return key
+    if key.startswith("blocks.") and hf_key(key) is not None:
+        return "transformer.h." + key[len("blocks."):]
+    if key == "wte.weight":
+        return "transformer.wte.weight"
+    raise UserError(f"parameter {key} has no counterpart in nanochat's naming: this model cannot be exported")
 
 
 def to_hf_state(state):
@@ -378,8 +395,12 @@ def check_probe(gpt, hf_model, vocab_size):
 # The two directions
 
 
-def export(ckpt, out):
-    """Write the HF NanoChat folder `out` from the checkpoint folder `ckpt`; returns the probe's max |logit diff|."""
+def export(ckpt, out, format="hf"):
+    """
+    Write the HF NanoChat folder `out` from the checkpoint folder `ckpt`; returns the probe's max |logit diff|.
+    format "mlx": the same folder with the weights under nanochat's own names (nanochat_key) and config.json's
+    rope_theta at the top level, which mlx-lm's nanochat model reads; transformers does not load that folder.
+    """
     model, tokenizer, meta = load_model(ckpt, "cpu")
     if meta.get("reward_model"):
         raise UserError(f"{ckpt} is a reward model: its scalar head has no counterpart in NanoChatForCausalLM")
@@ -397,6 +418,16 @@ def export(ckpt, out):
     hf_model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_id, eos_token_id=eos,
                                                   pad_token_id=tokenizer.token_id("<|assistant_end|>"))
     hf_model.save_pretrained(out)
+    if format == "mlx":
+        from safetensors.torch import save_file
+
+        state = {nanochat_key(key): tensor.contiguous() for key, tensor in model.state_dict().items()}
+        for extra in out.glob("model*.safetensors*"):  # save_pretrained's HF-named weights (and index, if sharded)
+            extra.unlink()
+        save_file(state, out / "model.safetensors", metadata={"format": "mlx"})
+        config_path = out / "config.json"
+        written = json.loads(config_path.read_text())
+        config_path.write_text(json.dumps({**written, "rope_theta": ROTARY_BASE}, indent=2) + "\n")
     return diff
 
 
@@ -439,11 +470,14 @@ def main(argv=None):
     source.add_argument("--import", dest="import_dir", metavar="HF_DIR",
                         help="import: a Hugging Face folder with config.json (model_type nanochat), its weights and "
                         "tokenizer.json")
+    parser.add_argument("--format", choices=["hf", "mlx"], default="hf",
+                        help="export: hf (transformers, lm-evaluation-harness) or mlx (mlx-lm: nanochat's own weight "
+                        "names, which its models/nanochat.py loads)")
     parser.add_argument("--out", required=True, help="export: the Hugging Face folder to write; import: the "
                         "checkpoint folder to write (step_000000 inside, tokenizer included)")
     args = parser.parse_args(argv)
     if args.ckpt:
-        diff = export(args.ckpt, args.out)
+        diff = export(args.ckpt, args.out, args.format)
         print(f"exported {args.ckpt} -> {args.out} (probe: max |logit difference| {diff:.2g})")
     else:
         path, diff = import_(args.import_dir, args.out)

@@ -20,6 +20,7 @@ from functools import cache
 from types import SimpleNamespace
 
 import common
+import core
 import dpo
 import eval as evaluation
 import pretrain
@@ -48,8 +49,9 @@ def preset_config(preset):
 def eval_plan(preset, config):
     """
     speedrun.sh's evaluations: greedy GSM8K on the three chat checkpoints and the 8-sample coverage of SFT and RL
-    (generation dominates), plus bits per byte of each checkpoint (forward only: 1/3 of a training token's FLOPs);
-    the multiple-choice tasks score one forward per choice and are left out. Memory (common.inference_memory): no
+    (generation dominates), plus bits per byte of each checkpoint and CORE of the base checkpoint (forward only: 1/3
+    of a training token's FLOPs; CORE's tokens: core.plan_forward_tokens, an estimate); the multiple-choice tasks
+    score one forward per choice and are left out. Memory (common.inference_memory): no
     gradients or optimizer; the larger of generation (batch_size prompts x 8 samples decoding, their KV cache) and a
     forward of batch_size full rows (bpb and multiple choice: one layer's tensors at a time, chunked logits).
     """
@@ -61,7 +63,9 @@ def eval_plan(preset, config):
     forward = common.inference_memory(config, 0, 0, forward_tokens=values["batch_size"] * config.sequence_len,
                                       logits_chunk=LOGITS_CHUNK_TOKENS)
     flops = common.model_size(config)[1]
-    return common.stage_plan("eval", preset, config, 0, LOGITS_CHUNK_TOKENS, 4 * values["bpb_tokens"] / 3, flops,
+    core_tokens = core.plan_forward_tokens(values["core_items"]) if "core" in values["base_tasks"].split(",") else 0
+    forward_tokens = 4 * values["bpb_tokens"] + core_tokens
+    return common.stage_plan("eval", preset, config, 0, LOGITS_CHUNK_TOKENS, forward_tokens / 3, flops,
                              decode_tokens=decode, phase_bytes=max(generation, forward))
 
 

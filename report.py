@@ -246,12 +246,36 @@ def merged_evals(records):
         checkpoint = (record.get("ckpt"), record.get("step"))
         entry = merged.get(record["of"])
         if entry is None or entry["checkpoint"] != checkpoint:
-            entry = merged[record["of"]] = {"metrics": {}, "coverage": {}, "step": record.get("step"),
+            entry = merged[record["of"]] = {"metrics": {}, "coverage": {}, "core": {}, "step": record.get("step"),
                                             "checkpoint": checkpoint}
         entry["metrics"].update(record.get("metrics", {}))
         entry["coverage"].update(record.get("coverage", {}))
+        entry["core"].update(record.get("core", {}))
     order = {stage: i for i, stage in enumerate(PIPELINE)}
     return dict(sorted(merged.items(), key=lambda item: order.get(item[0], len(order))))
+
+
+def core_table(evals):
+    """
+    The CORE section (markdown lines; none when no stage has CORE): each task's accuracy and centred accuracy per
+    stage that was scored (eval records' "core", core.evaluate_core), and CORE, their mean, in the last row.
+    """
+    scored = {stage: entry for stage, entry in evals.items() if entry.get("core")}
+    if not scored:
+        return []
+    lines = ["", "## CORE", "", "The DCLM CORE metric as nanochat computes it (core.py): per task, accuracy and "
+             "centred accuracy (acc - baseline) / (1 - baseline); CORE is the mean of the centred accuracies "
+             "(0 = chance; GPT-2 1.5B: 0.2565).", "",
+             "| task | type | shots | items | " + "".join(f"{stage} acc | {stage} centred | " for stage in scored).rstrip(),
+             "|---|---|---|---|" + "---|---|" * len(scored)]
+    for task, first in next(iter(scored.values()))["core"].items():
+        cells = [f"{format_value(e['core'][task]['acc'])} | {format_value(e['core'][task]['centred'])}"
+                 if task in e["core"] else " | " for e in scored.values()]
+        lines.append(f"| {task} | {first['type']} | {first['num_fewshot']} | {first['count']} | " + " | ".join(cells)
+                     + " |")
+    lines.append("| **CORE** | | | | " + " | ".join(f" | **{format_value(e['metrics'].get('core'))}**"
+                                                      for e in scored.values()) + " |")
+    return lines
 
 
 def coverage_rows(evals):
@@ -575,6 +599,7 @@ def render_report(records, env, plots=None, plot_root="."):
         lines += ["", "bpb: bits per byte of the validation text (lower is better). Multiple choice (acc): the base "
                   "model by log-likelihood of each choice (acc_norm: per character), chat stages by the log-prob of "
                   "the answer letter. pass@k: unbiased estimate from n samples per problem."]
+    lines += core_table(evals)
     rows = coverage_rows(evals)
     if rows:
         lines += ["", "## Coverage", "", "From the same per-problem counts: how much more n samples solve than one. "

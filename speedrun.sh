@@ -23,7 +23,7 @@
 #   SFT        SmolTalk + GSM8K train (calculator calls rendered as tool use)
 #   DPO        UltraFeedback-binarized preference pairs
 #   RL         GRPO on GSM8K train, verified by exact match of the '####' answer
-#   eval       val bpb, ARC/MMLU, GSM8K pass@1/pass@k, coverage SFT vs RL, report.md
+#   eval       val bpb, CORE of base (GPU presets), ARC/MMLU, GSM8K pass@1/pass@k, coverage SFT vs RL, report.md
 # The budget: `python plan.py --preset full|small`, from each stage's plan() (its --dry-run prints the same), not a
 # measurement: FLOPs at an assumed MFU (40% pretraining, 25% post-training), rollouts and evaluations at an assumed
 # decode rate (10,000 tokens/s per H100, 8,000 per 24 GB GPU), RL's sampling rounds per step from an assumed
@@ -37,8 +37,8 @@
 #     sft        6 min   61.2 GiB
 #     dpo        3 min   61.2 GiB
 #     rl        64 min   36.2 GiB
-#     eval       3 min   22.0 GiB
-#     total    233 min
+#     eval       4 min   22.0 GiB
+#     total    234 min
 #     unknown: pretraining MFU 40% assumed; at 33%: +33 min, 50%: -31 min
 #     unknown: RL 3.7 sampling rounds per step (gsm8k pass@1 5% at the start) assumed; at 1: -45 min, 4 (the cap): +5 min
 #   small preset on 1x RTX 4090 24GB: minutes, peak GiB per GPU
@@ -46,8 +46,8 @@
 #     sft        7 min   11.0 GiB
 #     dpo        6 min   11.0 GiB
 #     rl        35 min    8.8 GiB
-#     eval       8 min    4.4 GiB
-#     total    132 min
+#     eval       9 min    4.4 GiB
+#     total    133 min
 #     unknown: pretraining MFU 40% assumed; at 33%: +16 min, 50%: -15 min
 #     unknown: RL 4.0 sampling rounds per step (gsm8k pass@1 2% at the start) assumed; at 1: -25 min
 set -euo pipefail

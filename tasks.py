@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
+import core
+
 # -----------------------------------------------------------------------------
 # Final answers and the strict verifier shared by GSM8K and the synthetic tasks
 
@@ -1046,6 +1048,7 @@ def write_stand_in_data(root, seed=0, documents=12_000, rows=512, row_group_size
         write_jsonl("allenai/ai2_arc", "ARC-Challenge", split, arc)
     for split in ("dev", "validation", "test"):
         write_jsonl("cais/mmlu", "all", split, mmlu)
+    core.write_stand_in_bundle(root, seed)
     return root
 
 
@@ -1120,12 +1123,12 @@ def prepare(dest, fineweb_shards=None):
     """
     from common import UserError
 
-    missing = missing_data(dest, fineweb_shards)
+    missing = missing_data(dest, fineweb_shards) + core.bundle_missing(dest)
     if not missing:
         print(f"prepare: {dest} already holds every split the presets read (checked offline); nothing to download")
         return
     shards = f" --fineweb-shards {fineweb_shards}" if fineweb_shards else ""
-    where = (f"{len(missing)} of {len(PREPARED_SPLITS)} splits are missing in {dest} ({'; '.join(missing)}); run "
+    where = (f"{dest} lacks {len(missing)} of what the presets read ({'; '.join(missing)}); run "
              f"`python tasks.py prepare --dest DIR{shards}` on a machine with internet and copy DIR to {dest}")
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no"):
         raise UserError(f"HF_HUB_OFFLINE is set and {where}")
@@ -1142,6 +1145,8 @@ def prepare(dest, fineweb_shards=None):
             patterns = names[:fineweb_shards]
         print(f"prepare: {repo} {patterns} -> {Path(dest) / repo}", flush=True)
         snapshot_download(repo, repo_type="dataset", allow_patterns=patterns, local_dir=Path(dest) / repo)
+    if core.bundle_missing(dest):  # CORE's eval bundle (nanochat's download), unzipped to dest/eval_bundle
+        core.download_bundle(dest)
     print(f"prepare: done. Runs read these files when NANOPOST_DATA_DIR={dest} (speedrun.sh sets it).")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = {"common", "model", "tokenizer", "tasks", "engine", "judge"}
+SHARED = {"common", "model", "tokenizer", "tasks", "engine", "judge", "core"}
 STAGES = {"pretrain", "sft", "dpo", "rl", "ppo", "rm", "merge", "serve", "export", "distill"}
 ALLOWED = {  # layer -> the project modules a module of that layer may import
     **{name: SHARED for name in SHARED},
