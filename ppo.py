@@ -34,11 +34,12 @@ from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_c
                     load_checkpoint, preempted, print0, resume_or_finish, run_cli, save_checkpoint, synchronize)
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
-from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, aggregate, all_reduce_gradients,
-                     batch_counts, check_numeric_flags, difficulty_prompts, evaluate_held_out, finish_args,
-                     global_moments, kl_penalty, learner_batches, learner_tally, load_reward_model, policy_loss,
-                     prepare_prompts, print_step, reduce_tally, reference_sampling, report_record, reward_judge,
-                     row_sampling, score_old, step_metrics, token_logprobs, whiten)
+from objectives import aggregate, kl_penalty, policy_loss, whiten
+from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, all_reduce_gradients, batch_counts,
+                     check_numeric_flags, difficulty_prompts, evaluate_held_out, finish_args, global_moments,
+                     learner_batches, learner_tally, load_reward_model, prepare_prompts, print_step, reduce_tally,
+                     reference_sampling, report_record, reward_judge, row_sampling, score_old, step_metrics,
+                     token_logprobs)
 
 # -----------------------------------------------------------------------------
 # The math: per-token rewards, GAE, the clipped value loss

@@ -102,17 +102,11 @@ from common import (ASSUMED_PASS_RATE, FINISHED, HARDWARE, Logger, add_stage_fla
 from engine import Engine, load_model
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint, trainable_params)
-from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, aggregate, all_reduce_gradients,
-                     batch_counts, difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches,
-                     learner_tally, load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally,
-                     reference_sampling, report_record, reward_judge, row_sampling, score_old, step_metrics,
-                     token_logprobs)
-# The objective this stage trains lives in rollout.py, shared with ppo.py (a stage never imports another stage), and
-# is named here as part of rl.py's interface: group_advantages (GRPO / Dr. GRPO / RLOO, applied by
-# rollout.learner_rows), overlong_penalty (DAPO), policy_loss (pg / ppo / gspo / cispo, reduced by aggregate),
-# kl_penalty (k1 / k2 / k3), mismatch_weights (TIS / masking of the engine/trainer gap), normalize_scores (--reward rm).
-from rollout import (AGGREGATIONS, KL_KINDS, LOSS_DEFAULTS, LOSS_KINDS, group_advantages,  # noqa: F401
-                     mismatch_weights, normalize_scores, overlong_penalty)
+from objectives import aggregate, kl_penalty, policy_loss
+from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, all_reduce_gradients, batch_counts,
+                     difficulty_prompts, evaluate_held_out, finish_args, learner_batches, learner_tally,
+                     load_reward_model, prepare_prompts, print_step, reduce_tally, reference_sampling, report_record,
+                     reward_judge, row_sampling, score_old, step_metrics, token_logprobs)
 
 PLAN_PROMPT_TOKENS = 256  # a GSM8K prompt, rendered, is at most ~250 tokens: for the budget (plan)
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import model as model_module
+import objectives
 import rl
 import rollout
 import tasks
@@ -472,7 +473,7 @@ def test_learner_logprobs_detached_are_exactly_the_old_logprobs(model, tokenizer
     for detached in (False, True):
         model.zero_grad(set_to_none=True)
         logp, _ = rollout.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
-        loss, _ = rl.policy_loss(logp, logp.detach() if detached else old, micro["advantages"], micro["mask"])
+        loss, _ = objectives.policy_loss(logp, logp.detach() if detached else old, micro["advantages"], micro["mask"])
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     model.zero_grad(set_to_none=True)
