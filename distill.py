@@ -36,8 +36,8 @@ from engine import Engine, load_model
 from eval import evaluate_generative
 from model import (EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint)
-from rollout import (all_reduce_gradients, collate_rollouts, learner_rows, mix_seed, prepare_prompts, reduce_tally,
-                     sample_groups, token_logprobs)
+from rollout import (all_reduce_gradients, collate_rollouts, group_rewards, learner_rows, mix_seed, prepare_prompts,
+                     reduce_tally, sample_groups, token_logprobs)
 from tasks import token_budget_batches
 
 PRESETS = {  # the RL prompts and budgets of rollout.PRESETS' tiny / full, one step = one batch of samples
@@ -242,7 +242,7 @@ def main(argv=None):
                                             args.max_tokens, sampling, seed=mix_seed(args.seed, step),
                                             filter_zero_contrast=False, max_rounds=1, rank=rank,
                                             world_size=world_size)
-        rows = learner_rows(groups, args.group_size, None, None, mask_truncated=False, raw_rewards=True)
+        rows = learner_rows(groups, group_rewards(groups)[0].tolist(), mask_truncated=False)
         batches, _ = token_budget_batches([[len(row[0]) - 1] for row in rows], args.device_batch_tokens)
         micros = [collate_rollouts([rows[i] for i in batch], pad_id, device) for batch in batches]
         count = torch.tensor(sum(float(m["mask"].sum()) for m in micros), dtype=torch.float64, device=device)

@@ -37,9 +37,9 @@ from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, 
 from objectives import aggregate, kl_penalty, policy_loss, whiten
 from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, all_reduce_gradients, batch_counts,
                      check_numeric_flags, difficulty_prompts, evaluate_held_out, finish_args, global_moments,
-                     learner_batches, learner_tally, load_reward_model, prepare_prompts, print_step, reduce_tally,
-                     reference_sampling, report_record, reward_judge, row_sampling, score_old, step_metrics,
-                     token_logprobs)
+                     group_rewards, learner_batches, learner_tally, load_reward_model, prepare_prompts, print_step,
+                     reduce_tally, reference_sampling, report_record, reward_judge, row_sampling, score_old,
+                     step_metrics, token_logprobs)
 
 # -----------------------------------------------------------------------------
 # The math: per-token rewards, GAE, the clipped value loss
@@ -129,13 +129,13 @@ def explained_variance(pairs, device):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_stage_flags(parser, PRESETS, preset="fills the defaults below; explicit flags win",
-                    seed="seeds prompt draws and sampling", run="wandb run name ('dummy': no wandb)",
-                    ckpt="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/sft)",
-                    out="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/ppo)",
-                    resume="continue from the latest checkpoint in --out; exit if it is finished")
-    add_flags(parser)
-    add = parser.add_argument
+    run = add_stage_flags(parser, PRESETS, preset="fills the defaults below; explicit flags win",
+                          seed="seeds prompt draws and sampling", run="wandb run name ('dummy': no wandb)",
+                          ckpt="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/sft)",
+                          out="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/ppo)",
+                          resume="continue from the latest checkpoint in --out; exit if it is finished")
+    add = parser.add_argument_group("PPO: the critic, GAE, where the KL goes").add_argument
+    add_flags(parser, run)
     add("--kl-placement", choices=["loss", "reward"], default="reward",
         help="reward: -kl_coef * (logp - ref_logp) on every token's reward (PPO-RLHF, token_rewards); loss: "
              "kl_coef * KL(--kl-kind) added to the policy loss, as GRPO does")
@@ -253,7 +253,8 @@ def main(argv=None):
         groups, rollout_tally, info = rollouts.next_groups(step)
         synchronize(device)
         t1 = time.time()
-        minibatches, positions = learner_batches(groups, args, pad_id, device)  # rows carry their raw rewards
+        rewards, _ = group_rewards(groups)  # rows carry their raw rewards
+        minibatches, positions = learner_batches(groups, rewards.tolist(), args, pad_id, device)
 
         # Score the batch with the weights that sampled it (old log-probs, reference log-probs, the critic's
         # values), then per-token rewards -> GAE; advantages whitened over the whole batch of every rank, as PPO does.

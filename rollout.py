@@ -36,8 +36,8 @@ from common import autocast_ctx, format_eta, get_dist_info, print0, resolve_chec
 from engine import Engine, load_model, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from judge import JudgedTask, add_judge_flags, judge_from_args
-from objectives import (AGGREGATIONS, KL_KINDS, LOSS_DEFAULTS, LOSS_KINDS, group_advantages, mismatch_weights,
-                        normalize_scores, overlong_penalty)
+from objectives import (AGGREGATIONS, KL_KINDS, LOSS_DEFAULTS, LOSS_KINDS, mismatch_weights, normalize_scores,
+                        overlong_penalty)
 from tasks import (PromptMixture, collate, completion_reward, decontamination_index, pad_sequences, prepare_rows,
                    preference_mixture, render_pair, row_texts, task_by_name, token_budget_batches)
 
@@ -376,29 +376,31 @@ def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, t
 # The learner's view of a rollout
 
 
-def learner_rows(groups, group_size, adv_scale, adv_baseline, mask_truncated, raw_rewards=False):
+def group_rewards(groups):
     """
-    One row per completion: (ids, mask, behavior_logprobs, advantage), ids = prompt + completion tokens exactly as
-    sampled, mask 0 on the prompt and on forced tool output (and on the whole completion if it hit max_tokens and
-    mask_truncated is set), behavior_logprobs the engine's log-prob of each token (0 on the prompt).
-    A completion the verifier failed on (group["errors"], optional) is dropped from training: mask 0, advantage 0,
-    and its group's baseline and std are those of the others (group_advantages' valid).
-    raw_rewards: the last element is the completion's reward instead (ppo.py turns it into per-token ones).
+    (rewards (N,), valid (N,) bool) of every completion of `groups`, in group order: the shaped rewards, and False
+    where the verifier failed (group["errors"], optional): an error has no reward, and is not a wrong answer.
     """
-    if not groups:
-        return []
     rewards = torch.tensor([r for g in groups for r in g["rewards"]])
     errors = [error for g in groups for error in g.get("errors", [False] * len(g["rewards"]))]
-    advantages = rewards.tolist() if raw_rewards else group_advantages(
-        rewards, group_size, scale=adv_scale, baseline=adv_baseline,
-        valid=~torch.tensor(errors, dtype=torch.bool)).tolist()
+    return rewards, ~torch.tensor(errors, dtype=torch.bool)
+
+
+def learner_rows(groups, values, mask_truncated):
+    """
+    One row per completion: (ids, mask, behavior_logprobs, value), ids = prompt + completion tokens exactly as
+    sampled, mask 0 on the prompt and on forced tool output (and on the whole completion if it hit max_tokens and
+    mask_truncated is set), behavior_logprobs the engine's log-prob of each token (0 on the prompt), value the
+    completion's entry of `values` (a list in group order: its group advantage, or its reward that ppo.py turns into
+    per-token ones). A completion the verifier failed on (group["errors"], optional) is not trained: mask 0.
+    """
+    errors = [error for g in groups for error in g.get("errors", [False] * len(g["rewards"]))]
     rows = []
-    for g, group in enumerate(groups):
-        for j, completion in enumerate(group["completions"]):
-            keep = not (mask_truncated and completion.finish == "length") and not errors[g * group_size + j]
-            mask = [0] * len(group["prompt"]) + [m * keep for m in completion.mask]
-            behavior = [0.0] * len(group["prompt"]) + completion.logprobs
-            rows.append((group["prompt"] + completion.tokens, mask, behavior, advantages[g * group_size + j]))
+    for group, completion in ((group, completion) for group in groups for completion in group["completions"]):
+        keep = not (mask_truncated and completion.finish == "length") and not errors[len(rows)]
+        mask = [0] * len(group["prompt"]) + [m * keep for m in completion.mask]
+        behavior = [0.0] * len(group["prompt"]) + completion.logprobs
+        rows.append((group["prompt"] + completion.tokens, mask, behavior, values[len(rows)]))
     return rows
 
 
@@ -647,13 +649,81 @@ def account_sources(tally, micros):
 # The two RL stages' shared flags, and the entry points that keep the systems glue out of their main()
 
 
-def add_flags(parser):
-    """The flags rl.py and ppo.py share: data and rollouts, the reward, the policy loss and KL, optimization, eval."""
-    add = parser.add_argument
-    # data and rollouts
-    add("--task", help="training prompts and verifier: synthetic, gsm8k, ultrafeedback (prompts with no verifier, for "
-                       "--reward rm), or a weighted mixture 'synthetic:1,gsm8k:1' (weights are shares of the prompts; "
-                       "logs count each source apart); held-out splits evaluated")
+def add_flags(parser, run):
+    """
+    The flags rl.py and ppo.py share, in titled groups after `run` (add_stage_flags' "run and checkpoint" group):
+    data and sizes; the recipe, the default recipe's flags first and the variants after; the reward; the opt-in
+    systems. Returns {"data", "recipe", "reward", "systems"}: the groups a stage adds its own flags to.
+    """
+    run.add_argument("--save-every", type=int, help="checkpoint every N steps, for --resume (0: only the final one)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="build the model, optimizers and data, print the plan (rl.py: its budget) and stop")
+    groups = {name: parser.add_argument_group(title) for name, title in (
+        ("data", "data and sizes"), ("recipe", "recipe: loss, advantages, sampling, mismatch, KL, optimization"),
+        ("reward", "reward"), ("systems", "opt-in systems (off by default)"))}
+    add = groups["data"].add_argument
+    add("--task", help="training prompts and verifier: a name of tasks.TASKS (synthetic, gsm8k, ultrafeedback: "
+                       "prompts with no verifier, for --reward rm, ...) or a weighted mixture 'synthetic:1,gsm8k:1' "
+                       "(weights are shares of the prompts; logs count each source apart); held-out splits evaluated")
+    add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
+    add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
+    add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
+    add("--group-size", type=int, help="completions sampled per prompt (G)")
+    add("--max-tokens", type=int, help="generation budget per completion, forced tool output included")
+    add("--device-batch-tokens", type=int, help="padded positions (sequences x longest) per forward/backward; at "
+        "least the longest prompt + --max-tokens (tiny 8,192: 64 sequences of <= 128 tokens; full 16,384: "
+        "16 sequences of a ~500-token prompt and a 512-token answer)")
+    add("--eval-every", type=int,
+        help="held-out evaluation every N steps, and at the start and the end (0: only at the start and the end)")
+    add("--eval-problems", type=int, help="held-out problems evaluated")
+    add("--eval-samples", type=int, help="samples per held-out problem: pass@1 and pass@N")
+    add("--eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
+    add = groups["recipe"].add_argument
+    add("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see objectives.policy_loss)")
+    add("--eps-low", type=float, default=None,
+        help="lower clip: ratio >= 1 - eps_low (default per --loss, see LOSS_DEFAULTS: ppo 0.2, gspo 3e-4, cispo 1)")
+    add("--eps-high", type=float, default=None,
+        help="upper clip: ratio <= 1 + eps_high (default per --loss: ppo 0.28 clip-higher, gspo 4e-4, cispo 0.28)")
+    add("--loss-agg", choices=AGGREGATIONS, default=None,
+        help="how token losses are averaged (default per --loss: token-mean, gspo seq-mean-token-mean)")
+    add("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
+        help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
+    add("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
+    add("--oversample", type=float,
+        help="prompts per sampling round = oversample x the groups needed, all in one generate call; the first "
+             "groups with contrast are kept (e.g. 2-3 when most groups have none; 1: off; preset tiny 1, small and "
+             "full 2)")
+    add("--mismatch", choices=["none", "tis", "mask"], default="tis",
+        help="engine/trainer log-prob mismatch correction (see objectives.mismatch_weights)")
+    add("--tis-cap", type=float, default=2.0, help="truncation of the importance weight (--mismatch tis)")
+    add("--temperature", type=float, default=1.0, help="sampling temperature; the learner scores at the same one")
+    add("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
+    add("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
+    add("--lr-frac", type=float, help="learning rates as a fraction of pretraining's (Muon + AdamW)")
+    add("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
+    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    add("--kl-coef", type=float, default=None,
+        help="KL(pi || pi_ref) penalty weight, on the untruncated temperature-scaled distributions even with "
+             "--top-k/--top-p (reference_sampling); 0 loads no reference model (default: 0, or 0.05 with --reward rm: "
+             "a learned reward can be exploited, a verifier cannot)")
+    add("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see objectives.kl_penalty)")
+    add("--dual-clip", type=float, default=None,
+        help="cap the loss of negative-advantage tokens at -c A, c > 1 (e.g. 3; ppo and gspo)")
+    add("--mask-window", type=float, nargs=2, default=(0.5, 2.0), metavar=("LOW", "HIGH"),
+        help="drop tokens whose trainer/engine probability ratio leaves [LOW, HIGH] (--mismatch mask)")
+    add("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
+    add("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1, no cut)")
+    add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
+    add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
+    add = groups["reward"].add_argument
+    add("--reward", choices=["verifier", "rm", "judge"], default="verifier",
+        help="verifier: the task's exact check; rm: the --rm-ckpt reward model's score of each completion, normalised "
+             "per batch (objectives.normalize_scores); judge: the --judge-url LM judge's score / max_score (0 for a "
+             "broken hard rule; judge.py); with rm or judge the verifier only measures (reward/accuracy, held-out "
+             "pass@1)")
+    add("--rm-ckpt", default=None, help="reward model checkpoint of rm.py (--reward rm)")
+    add_judge_flags(groups["reward"])
+    add = groups["systems"].add_argument
     add("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
         help="drop training prompts that overlap an evaluation set in use or the held-out problems "
              "(tasks.decontamination_index: 13-grams, whole short questions); default on for full, off for tiny "
@@ -677,67 +747,7 @@ def add_flags(parser):
     add("--max-policy-age", type=int, default=1,
         help="under --async, groups sampled more than this many updates before the learner's step are dropped and "
              "counted (rollout/stale_groups); at least --async-delay")
-    add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
-    add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
-    add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
-    add("--group-size", type=int, help="completions sampled per prompt (G)")
-    add("--max-tokens", type=int, help="generation budget per completion, forced tool output included")
-    add("--temperature", type=float, default=1.0, help="sampling temperature; the learner scores at the same one")
-    add("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
-    add("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1, no cut)")
-    add("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
-        help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
-    add("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
-    add("--oversample", type=float,
-        help="prompts per sampling round = oversample x the groups needed, all in one generate call; the first "
-             "groups with contrast are kept (e.g. 2-3 when most groups have none; 1: off; preset tiny 1, small and "
-             "full 2)")
-    add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
-    add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
-    add("--reward", choices=["verifier", "rm", "judge"], default="verifier",
-        help="verifier: the task's exact check; rm: the --rm-ckpt reward model's score of each completion, normalised "
-             "per batch (normalize_scores); judge: the --judge-url LM judge's score / max_score (0 for a broken hard "
-             "rule; judge.py); with rm or judge the verifier only measures (reward/accuracy, held-out pass@1)")
-    add("--rm-ckpt", default=None, help="reward model checkpoint of rm.py (--reward rm)")
-    add_judge_flags(parser)
-    # the policy loss
-    add("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see policy_loss)")
-    add("--eps-low", type=float, default=None,
-        help="lower clip: ratio >= 1 - eps_low (default per --loss, see LOSS_DEFAULTS: ppo 0.2, gspo 3e-4, cispo 1)")
-    add("--eps-high", type=float, default=None,
-        help="upper clip: ratio <= 1 + eps_high (default per --loss: ppo 0.28 clip-higher, gspo 4e-4, cispo 0.28)")
-    add("--dual-clip", type=float, default=None,
-        help="cap the loss of negative-advantage tokens at -c A, c > 1 (e.g. 3; ppo and gspo)")
-    add("--loss-agg", choices=AGGREGATIONS, default=None,
-        help="how token losses are averaged (default per --loss: token-mean, gspo seq-mean-token-mean)")
-    add("--kl-coef", type=float, default=None,
-        help="KL(pi || pi_ref) penalty weight, on the untruncated temperature-scaled distributions even with "
-             "--top-k/--top-p (reference_sampling); 0 loads no reference model (default: 0, or 0.05 with --reward rm: "
-             "a learned reward can be exploited, a verifier cannot)")
-    add("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see kl_penalty)")
-    add("--mismatch", choices=["none", "tis", "mask"], default="tis",
-        help="engine/trainer log-prob mismatch correction (see mismatch_weights)")
-    add("--tis-cap", type=float, default=2.0, help="truncation of the importance weight (--mismatch tis)")
-    add("--mask-window", type=float, nargs=2, default=(0.5, 2.0), metavar=("LOW", "HIGH"),
-        help="drop tokens whose trainer/engine probability ratio leaves [LOW, HIGH] (--mismatch mask)")
-    # optimization
-    add("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
-    add("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
-    add("--device-batch-tokens", type=int, help="padded positions (sequences x longest) per forward/backward; at "
-        "least the longest prompt + --max-tokens (tiny 8,192: 64 sequences of <= 128 tokens; full 16,384: "
-        "16 sequences of a ~500-token prompt and a 512-token answer)")
-    add("--lr-frac", type=float, help="learning rates as a fraction of pretraining's (Muon + AdamW)")
-    add("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
-    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
-    # evaluation and saving
-    add("--eval-every", type=int,
-        help="held-out evaluation every N steps, and at the start and the end (0: only at the start and the end)")
-    add("--eval-problems", type=int, help="held-out problems evaluated")
-    add("--eval-samples", type=int, help="samples per held-out problem: pass@1 and pass@N")
-    add("--eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
-    add("--save-every", type=int, help="checkpoint every N steps, for --resume (0: only the final checkpoint)")
-    add("--dry-run", action="store_true",
-        help="build the model, optimizers and data, print the plan (rl.py: its budget) and stop")
+    return groups
 
 
 # Every numeric flag of the RL stages and the values it accepts: (test, what the error says it must be). A value
@@ -1015,19 +1025,19 @@ class Rollouts:
             self.worker.close()
 
 
-def learner_batches(groups, args, pad_id, device, adv=None):
+def learner_batches(groups, values, args, pad_id, device):
     """
-    Step 3 of both loops: the groups split into --minibatches (by group), each as micro-batches of at most
-    --device-batch-tokens padded positions (sorted by length: less padding, same loss). adv (scale, baseline): rows
-    carry group advantages; None: their raw rewards (ppo.py turns them into per-token rewards). PTGS rows carry
-    their group's temperature; every micro-batch names each row's source (micro["sources"]). Returns (minibatches,
-    [real, padded] positions).
+    The groups split into --minibatches (by group), each as micro-batches of at most --device-batch-tokens padded
+    positions (sorted by length: less padding, same loss). values: one per completion in group order, what each row
+    carries (rl.py: its group advantage; ppo.py: its raw reward). PTGS rows carry their group's temperature; every
+    micro-batch names each row's source (micro["sources"]). Returns (minibatches, [real, padded] positions).
     """
-    minibatches, positions = [], [0, 0]
+    minibatches, positions, done = [], [0, 0], 0
     for m in range(args.minibatches):
         part = groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches]
-        scale, baseline = adv or (None, None)
-        rows = learner_rows(part, args.group_size, scale, baseline, args.mask_truncated, raw_rewards=adv is None)
+        size = sum(len(g["completions"]) for g in part)
+        rows = learner_rows(part, values[done:done + size], args.mask_truncated)
+        done += size
         if args.ptgs:  # each row carries its group's temperature (collate_rollouts)
             rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in part for _ in g["completions"]))]
         sources = [g["source"] for g in part for _ in g["completions"]]  # of each row (account_sources)

@@ -183,6 +183,14 @@ def free_port():
 # Shared tiny building blocks (added by the eval tests; import the plain functions with `from conftest import ...`)
 
 
+def grpo_advantages(groups, group_size):
+    """The group advantages rl.py gives the completions of `groups` (GRPO: mean baseline, std scaling), as a list."""
+    import objectives
+    import rollout
+    rewards, valid = rollout.group_rewards(groups)
+    return objectives.group_advantages(rewards, group_size, valid=valid).tolist()
+
+
 def make_tokenizer():
     """A real BPE tokenizer (vocab 400) trained on 300 synthetic documents: the chat-stage tests' vocabulary."""
     return Tokenizer.train(tasks.synthetic_documents(300, seed=0), vocab_size=400)

@@ -17,7 +17,7 @@ import objectives
 import rl
 import rollout
 from common import save_checkpoint
-from conftest import ends_turn_sometimes, scripted_model
+from conftest import ends_turn_sometimes, grpo_advantages, scripted_model
 from engine import Engine, load_model
 from eval import completion_text
 from model import GPT, GPTConfig
@@ -313,7 +313,7 @@ def test_verifier_error_dropped_from_training(model, tokenizer):
     (completions,) = engine.generate([prompt], num_samples=4, max_tokens=6, seed=0)
     group = {"prompt": prompt, "completions": completions, "rewards": [1.0, 0.0, 0.0, 1.0],
              "errors": [False, False, True, False]}
-    rows = rollout.learner_rows([group], 4, "std", "mean", mask_truncated=False)
+    rows = rollout.learner_rows([group], grpo_advantages([group], 4), mask_truncated=False)
     assert [sum(mask) for _, mask, _, _ in rows] == [len(c.tokens) * (j != 2) for j, c in enumerate(completions)]
     close([a for *_, a in rows], [1 / 3 / s, -2 / 3 / s, 0, 1 / 3 / s])
 

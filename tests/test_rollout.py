@@ -17,6 +17,7 @@ import objectives
 import rl
 import rollout
 import tasks
+from conftest import grpo_advantages
 from engine import Engine, sampling_logprobs
 from model import GPT
 from tasks import SyntheticTask
@@ -248,7 +249,7 @@ def test_ptgs_groups_are_scored_at_their_own_temperature(model, tokenizer):  # n
                                  temperature_of=lambda c: temperature_of[int(c["task_id"].split("/")[1]) % 4])
     temps = [g["temperature"] for g in groups]
     assert len(groups) == 4 and set(temps) <= {0.7, 1.3, 1.0} and len(set(temps)) > 1
-    rows = rollout.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
+    rows = rollout.learner_rows(groups, grpo_advantages(groups, 3), mask_truncated=False)
     rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in groups for _ in g["completions"]))]
     batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     with torch.no_grad():
@@ -305,7 +306,7 @@ def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp
     finally:
         worker.close()
     assert (step, version) == (5, 4) and all(g["version"] == 4 for g in groups) and len(records) == 2
-    rows = rollout.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
+    rows = rollout.learner_rows(groups, grpo_advantages(groups, 3), mask_truncated=False)
     batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     with torch.no_grad():
         sampler, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], kwargs["sampling"])
@@ -352,7 +353,7 @@ def test_engine_logprobs_match_the_learner(model, tokenizer, sampling):
     prompts = [tokenizer.render_for_completion(task[i]) for i in range(3)]
     results = engine.generate(prompts, num_samples=2, max_tokens=12, seed=0, **sampling)
     groups = [{"prompt": p, "completions": c, "rewards": [0.0, 1.0]} for p, c in zip(prompts, results)]
-    rows = rollout.learner_rows(groups, 2, "std", "mean", mask_truncated=False)
+    rows = rollout.learner_rows(groups, grpo_advantages(groups, 2), mask_truncated=False)
     batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     assert batch["mask"].sum() == sum(len(c.tokens) for r in results for c in r)  # every sampled token, nothing else
     with torch.no_grad():
@@ -415,8 +416,8 @@ def test_mask_truncated_removes_completions_that_hit_the_budget(model, tokenizer
     (completions,) = engine.generate([prompt], num_samples=6, max_tokens=3, seed=0)
     assert {c.finish for c in completions} == {"stop", "length"}  # some stop within 3 tokens, some do not
     group = [{"prompt": prompt, "completions": completions, "rewards": [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]}]
-    masked = rollout.learner_rows(group, 6, "std", "mean", mask_truncated=True)
-    kept = rollout.learner_rows(group, 6, "std", "mean", mask_truncated=False)
+    masked = rollout.learner_rows(group, grpo_advantages(group, 6), mask_truncated=True)
+    kept = rollout.learner_rows(group, grpo_advantages(group, 6), mask_truncated=False)
     assert [sum(m) for _, m, _, _ in masked] == [len(c.tokens) * (c.finish == "stop") for c in completions]
     assert [sum(m) for _, m, _, _ in kept] == [len(c.tokens) for c in completions]
 
@@ -465,7 +466,7 @@ def test_learner_logprobs_detached_are_exactly_the_old_logprobs(model, tokenizer
     engine = Engine(model, tokenizer)
     sampling = dict(temperature=1.0, top_k=None, top_p=None)
     groups, _ = rollout.sample_groups(engine, LengthParity(), 2, 4, 8, sampling, seed=3, filter_zero_contrast=False)
-    rows = rollout.learner_rows(groups, 4, "std", "mean", False)
+    rows = rollout.learner_rows(groups, grpo_advantages(groups, 4), False)
     micro = rollout.collate_rollouts(rows, tokenizer.bos_id, "cpu")
     with torch.no_grad():
         old, _ = rollout.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
