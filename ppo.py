@@ -7,7 +7,8 @@ PPO with a critic for language models (Schulman et al. 2017; Ziegler et al. 2019
     torchrun --nproc_per_node=8 ppo.py --preset full --ckpt CK/sft --out CK/ppo
 
 Each step, on every rank:
-    1. rollout   rl.py's (rollout.Rollouts: prompts, G completions of each, the verifier's or the reward model's score)
+    1. rollout   rl.py's (rl_systems.Rollouts: prompts, G completions of each, the verifier's or the reward model's
+                 score)
     2. rewards   token_rewards: the KL to the reference on every token (--kl-placement reward, the default: the
                  penalty is part of the reward), the completion's score on its last token
     3. advantage the critic (a copy of the policy's trunk with a zero-started scalar head, its own optimizers; with
@@ -35,11 +36,12 @@ from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_c
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from objectives import aggregate, kl_penalty, policy_loss, whiten
-from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, all_reduce_gradients, batch_counts,
-                     check_numeric_flags, difficulty_prompts, evaluate_held_out, finish_args, global_moments,
-                     group_rewards, learner_batches, learner_tally, load_reward_model, prepare_prompts, print_step,
-                     reduce_tally, reference_sampling, report_record, reward_judge, row_sampling, score_old,
-                     step_metrics, token_logprobs)
+from rollout import (PRESETS, account_sources, add_flags, add_loss_stats, all_reduce_gradients, batch_counts,
+                     check_numeric_flags, evaluate_held_out, finish_args, global_moments, group_rewards,
+                     learner_batches, learner_tally, load_reward_model, prepare_prompts, print_step, reduce_tally,
+                     reference_sampling, report_record, reward_judge, row_sampling, score_old, step_metrics,
+                     token_logprobs)
+from rl_systems import Rollouts, difficulty_prompts
 
 # -----------------------------------------------------------------------------
 # The math: per-token rewards, GAE, the clipped value loss

@@ -44,10 +44,12 @@ from engine import Engine, load_model
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint, trainable_params)
 from objectives import aggregate, group_advantages, kl_penalty, policy_loss
-from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, all_reduce_gradients, batch_counts,
-                     difficulty_prompts, evaluate_held_out, finish_args, group_rewards, learner_batches, learner_tally,
-                     load_reward_model, prepare_prompts, print_step, reduce_tally, reference_sampling, report_record,
-                     reward_judge, row_sampling, score_old, step_metrics, token_logprobs)
+from rollout import (PRESETS, account_sources, add_flags, add_loss_stats, all_reduce_gradients, batch_counts,
+                     evaluate_held_out, finish_args, group_rewards, learner_batches, learner_tally, load_reward_model,
+                     prepare_prompts, print_step, reduce_tally, reference_sampling, report_record, reward_judge,
+                     row_sampling, score_old, step_metrics, token_logprobs)
+from rl_systems import Rollouts, difficulty_prompts
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],

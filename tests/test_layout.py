@@ -10,6 +10,8 @@ included):
                      objectives.py (the RL objective's math)    imports no project module
                      rollout.py (sampling and scoring groups,   imports shared modules, eval and objectives; eval never
                      the prompts, the learner's rows)           imports it
+                     rl_systems.py (PTGS, --async, the          imports shared modules, eval, objectives and rollout;
+                     difficulty filter, Rollouts)               rollout never imports it
     stage scripts    pretrain, sft, dpo, rl, ppo, rm, merge,    import shared modules and the libraries, never another
                      serve, export, distill                     stage
     driver           plan.py (speedrun's budget and preset)     imports shared modules, the libraries and the stages
@@ -26,6 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = {"common", "model", "tokenizer", "tasks", "engine", "judge"}
+LIBRARIES = {"eval", "objectives", "rollout", "rl_systems"}
 STAGES = {"pretrain", "sft", "dpo", "rl", "ppo", "rm", "merge", "serve", "export", "distill"}
 ALLOWED = {  # layer -> the project modules a module of that layer may import
     **{name: SHARED for name in SHARED},
@@ -33,8 +36,9 @@ ALLOWED = {  # layer -> the project modules a module of that layer may import
     "eval": SHARED | {"report"},
     "objectives": set(),
     "rollout": SHARED | {"eval", "objectives"},
-    **{name: SHARED | {"eval", "rollout", "objectives"} for name in STAGES},
-    "plan": SHARED | {"eval", "rollout", "objectives"} | STAGES,
+    "rl_systems": SHARED | {"eval", "objectives", "rollout"},
+    **{name: SHARED | LIBRARIES for name in STAGES},
+    "plan": SHARED | LIBRARIES | STAGES,
 }
 
 

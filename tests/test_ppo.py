@@ -118,7 +118,7 @@ def test_whitening_uses_the_valid_tokens_of_every_micro_batch():
 
 
 def normalize(scores):
-    """--reward rm's scores z-scored over every rank, as rollout.Rollouts does."""
+    """--reward rm's scores z-scored over every rank, as rl_systems.Rollouts does."""
     return objectives.normalize_scores(scores, rollout.global_moments([(scores, torch.ones_like(scores))], "cpu"))
 
 
