@@ -38,7 +38,7 @@ from judge import JudgedTask, add_judge_flags, judge_from_args
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint, trainable_params)
 from rollout import preference_pairs
-from tasks import collate, decontamination_index, task_by_name, token_budget_batches
+from tasks import collate, decontamination_index, registered_tasks, task_by_name, token_budget_batches
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo", "orpo", "kto")
 PAIRED_LOSSES = LOSS_TYPES[:-1]  # dpo_loss's; kto_loss works on single answers labelled desirable or undesirable
@@ -441,7 +441,7 @@ def main(argv=None):
     parser.add_argument("--pairs", choices=("ultrafeedback", "synthetic", "self-generated"),
                         help="preference data: the hub set, the synthetic pairs, or pairs sampled from the SFT model "
                              "and labelled by --task's verifier")
-    parser.add_argument("--task", choices=("synthetic", "gsm8k"),
+    parser.add_argument("--task", choices=registered_tasks("generative"),
                         help="verifiable task: prompts of self-generated pairs, and the held-out accuracy check")
     parser.add_argument("--train-pairs", type=int, help="pairs (self-generated: prompts) to train on")
     parser.add_argument("--eval-pairs", type=int, help="held-out pairs (self-generated: prompts)")

@@ -36,7 +36,7 @@ from engine import Engine, load_model
 from judge import JudgedTask, add_judge_flags, judge_from_args
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from rollout import preference_pairs
-from tasks import decontamination_index, pad_sequences, task_by_name
+from tasks import decontamination_index, pad_sequences, registered_tasks, task_by_name
 
 PRESETS = {
     # tiny: 512 synthetic problems x 4 SFT samples -> a few hundred verifier-labelled pairs; 3 epochs of 32-pair steps.
@@ -131,7 +131,7 @@ def main(argv=None):
     add("--pairs", choices=["self-generated", "synthetic", "ultrafeedback"],
         help="self-generated: SFT samples labelled by --task's verifier; synthetic: reference vs. scripted mistake; "
              "ultrafeedback: UltraFeedback-binarized")
-    add("--task", choices=["synthetic", "gsm8k"], help="verifiable task of --pairs self-generated")
+    add("--task", choices=registered_tasks("generative"), help="verifiable task of --pairs self-generated")
     add("--train-pairs", type=int, help="problems (self-generated) or pairs (static sources) to train on")
     add("--eval-pairs", type=int, help="held-out problems or pairs")
     add("--samples", type=int, help="answers sampled per problem for self-generated pairs")

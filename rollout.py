@@ -34,7 +34,7 @@ from eval import completion_text, evaluate_generative
 from judge import JudgedTask, add_judge_flags, judge_from_args
 from objectives import AGGREGATIONS, KL_KINDS, LOSS_DEFAULTS, LOSS_KINDS, mismatch_weights, overlong_penalty
 from tasks import (PromptMixture, collate, completion_reward, decontamination_index, pad_sequences, prepare_rows,
-                   preference_mixture, render_pair, row_texts, task_by_name, token_budget_batches)
+                   preference_mixture, registered_tasks, render_pair, row_texts, task_by_name, token_budget_batches)
 
 PRESETS = {  # of both RL stages, rl.py and ppo.py: they sample the same prompts with the same budgets
     # Synthetic arithmetic from the tiny DPO checkpoint: ~2 minutes on 2 idle CPU cores. lr_frac: started from a weak
@@ -440,7 +440,9 @@ def reduce_tally(tally, device):
 def parse_task_mixture(spec):
     """
     '--task' as [(name, weight)]: 'synthetic' -> [('synthetic', 1.0)]; 'synthetic:1,gsm8k:2' -> two sources,
-    weights relative. Raises ValueError on an unknown name, a repeated one or a weight that is not > 0.
+    weights relative. A name is a task of tasks.TASKS that RL can train on (a generative task, with its verifier, or
+    prompts for a reward model; a multiple-choice task has no verifier of sampled answers). Raises ValueError on an
+    unknown name, a repeated one or a weight that is not > 0.
     """
     sources = []
     for part in spec.split(","):
@@ -449,9 +451,10 @@ def parse_task_mixture(spec):
             weight = float(weight) if weight else 1.0
         except ValueError:
             raise ValueError(f"--task {spec!r}: weight {weight!r} of {name!r} is not a number") from None
-        if name not in ("synthetic", "gsm8k", "ultrafeedback"):
-            raise ValueError(f"--task {spec!r}: unknown task {name!r}; expected synthetic, gsm8k or ultrafeedback "
-                             "(name:weight, ...)")
+        trainable = registered_tasks("generative", "prompts")
+        if name not in trainable:
+            raise ValueError(f"--task {spec!r}: {name!r} is not a task RL can train on; expected one of "
+                             f"{', '.join(trainable)} (tasks.TASKS; name:weight, ...)")
         if not weight > 0 or name in dict(sources):
             raise ValueError(f"--task {spec!r}: each task once, with a weight > 0 (got {name!r}: {weight})")
         sources.append((name, weight))

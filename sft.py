@@ -63,7 +63,7 @@ from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR,
 from rollout import mix_seed, preference_pairs
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
                    decontamination_index, prepare_rows, pretraining_batches, pretraining_texts,
-                   row_texts, task_by_name, token_budget_batches)
+                   registered_tasks, row_texts, task_by_name, token_budget_batches)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, plan(): ~6 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k
@@ -374,7 +374,7 @@ def main(argv=None):
                         "and stop before the first forward pass")
     parser.add_argument("--rft-rounds", type=int, default=0, help="rejection-sampling fine-tuning rounds (0: plain "
                         "SFT); --train-rows, --num-steps, --eval-every, --eval-rows and --save-every are SFT's only")
-    parser.add_argument("--rft-task", choices=("synthetic", "gsm8k"), default="synthetic",
+    parser.add_argument("--rft-task", choices=registered_tasks("generative"), default="synthetic",
                         help="verifiable task whose training problems are sampled and whose held-out ones measure")
     parser.add_argument("--rft-prompts", type=int, default=512, help="training problems sampled each round")
     parser.add_argument("--rft-samples", type=int, default=8, help="answers sampled per problem each round (k)")
