@@ -582,6 +582,26 @@ def add_stage_flags(parser, presets, preset, seed, out, resume, ckpt=None, run="
     return group
 
 
+def fill_preset(args, preset):
+    """Every flag left unset (None) takes the preset's value: explicit flags win."""
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
+def set_lr(optimizers, multiplier):
+    """This step's learning rates: every parameter group's initial_lr x the schedule's multiplier."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * multiplier
+
+
+def load_optimizers(optimizers, states):
+    """On resume, each optimizer's state from the checkpoint's list, in order."""
+    for optimizer, state in zip(optimizers, states):
+        optimizer.load_state_dict(state)
+
+
 def check_numbers(args, positive=(), nonnegative=()):
     """
     ValueError naming the flag when a numeric flag is out of range: each name in `positive` must be > 0 and each in

@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_ctx, checkpoint_dir, compute_cleanup,
-                    compute_init, format_eta, load_checkpoint, preempted, exit_preempted, print0, resume_or_finish,
-                    run_cli, save_checkpoint)
+                    compute_init, exit_preempted, fill_preset, format_eta, load_checkpoint, load_optimizers, preempted,
+                    print0, resume_or_finish, run_cli, save_checkpoint)
 from engine import Engine, load_model
 from eval import evaluate_generative
 from model import (EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
@@ -165,9 +165,7 @@ def parse_args(argv=None):
     add_lora_flags(parser)
     args = parser.parse_args(argv)
     check_lora_flags(parser, args)
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    fill_preset(args, PRESETS[args.preset])
     return args
 
 
@@ -207,8 +205,7 @@ def main(argv=None):
     start_step, history, tokens_sampled, extra = 0, [], 0, {}
     if resume:
         _, _, extra = load_checkpoint(resume, device=device)
-        for optimizer, state in zip(optimizers, extra["optimizers"]):
-            optimizer.load_state_dict(state)
+        load_optimizers(optimizers, extra["optimizers"])
         if lora:
             lora.load_state_dict(extra["lora"])
         start_step, history, tokens_sampled, teacher_eval = (extra["step"], extra["history"], extra["tokens_sampled"],

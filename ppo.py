@@ -32,7 +32,8 @@ import torch
 
 from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_ctx, batch_tokens_for_device,
                     check_ranks_agree, checkpoint_dir, compute_cleanup, compute_init, exit_preempted, kv_cache_bytes,
-                    load_checkpoint, preempted, print0, resume_or_finish, run_cli, save_checkpoint, synchronize)
+                    load_checkpoint, load_optimizers, preempted, print0, resume_or_finish, run_cli, save_checkpoint,
+                    set_lr, synchronize)
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from objectives import aggregate, kl_penalty, policy_loss, whiten
@@ -219,11 +220,9 @@ def main(argv=None):
     start_step, history, source_totals, extra = 0, [], Counter(), {}
     if resume:
         _, _, extra = load_checkpoint(resume, device=device)
-        for optimizer, state in zip(optimizers, extra["optimizers"]):
-            optimizer.load_state_dict(state)
+        load_optimizers(optimizers, extra["optimizers"])
         critic.load_state_dict(extra["critic"])
-        for optimizer, state in zip(critic_optimizers, extra["critic_optimizers"]):
-            optimizer.load_state_dict(state)
+        load_optimizers(critic_optimizers, extra["critic_optimizers"])
         start_step, history = extra["step"], extra["history"]
         source_totals.update(extra["source_totals"])
         print0(f"resuming at step {start_step}")
@@ -293,9 +292,7 @@ def main(argv=None):
         nets = [(critic, critic_optimizers)] if step < args.critic_warmup_steps else [(model, optimizers),
                                                                                       (critic, critic_optimizers)]
         lr_multiplier = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * lr_multiplier
+        set_lr(optimizers, lr_multiplier)
         optimizer_steps, grad_norms = 0, []
         for epoch in range(args.epochs):
             for minibatch, count, value_count in zip(minibatches, counts, value_counts):

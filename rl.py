@@ -38,8 +38,8 @@ import torch
 from common import (ASSUMED_PASS_RATE, FINISHED, HARDWARE, Logger, add_stage_flags, append_report,
                     batch_tokens_for_device, check_ranks_agree, checkpoint_dir, compute_cleanup, compute_init,
                     exit_preempted, expected_sampling_rounds, fit_batch_tokens, inference_memory, kv_cache_bytes,
-                    load_checkpoint, model_size, preempted, print0, print_plan, resume_or_finish, rl_models_bytes,
-                    run_cli, save_checkpoint, stage_plan, synchronize)
+                    load_checkpoint, load_optimizers, model_size, preempted, print0, print_plan, resume_or_finish,
+                    rl_models_bytes, run_cli, save_checkpoint, set_lr, stage_plan, synchronize)
 from engine import Engine, load_model
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint, trainable_params)
@@ -134,8 +134,7 @@ def main(argv=None):
     tokens_sampled = 0  # every sampled completion token, dynamic sampling's dropped groups too: the rollout budget
     if resume:
         _, _, extra = load_checkpoint(resume, device=device)
-        for optimizer, state in zip(optimizers, extra["optimizers"]):
-            optimizer.load_state_dict(state)
+        load_optimizers(optimizers, extra["optimizers"])
         if lora:
             lora.load_state_dict(extra["lora"])
         start_step, history, tokens_sampled = extra["step"], extra["history"], extra["tokens_sampled"]
@@ -196,9 +195,7 @@ def main(argv=None):
 
         # 4b. The update: --epochs passes over the batch, one optimizer step per minibatch.
         lr_multiplier = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * lr_multiplier
+        set_lr(optimizers, lr_multiplier)
         optimizer_steps, grad_norms = 0, []  # the same on every rank (grad norms are taken after the all-reduce)
         for epoch in range(args.epochs):
             for minibatch, count in zip(minibatches, counts):

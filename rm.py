@@ -153,9 +153,7 @@ def main(argv=None):
     add_judge_flags(parser)
     add("--dry-run", action="store_true", help="build model, pairs and optimizers, print the plan and stop")
     args = parser.parse_args(argv)
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    common.fill_preset(args, PRESETS[args.preset])
     common.check_numbers(args, positive=["train_pairs", "eval_pairs", "samples", "max_new_tokens", "max_seq_len",
                                          "batch_size", "device_batch_size", "epochs", "eval_every"],
                          nonnegative=["center_coef", "lr_frac", "head_lr_mult"])
@@ -208,9 +206,7 @@ def main(argv=None):
     order = torch.randperm(len(train_pairs), generator=torch.Generator().manual_seed(args.seed)).tolist()
     t0 = time.time()
     for step in range(num_steps):
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * (1.0 - step / num_steps)
+        common.set_lr(optimizers, 1.0 - step / num_steps)
         stats = torch.zeros(2, device=device)  # loss, correct
         for m in range(micro_steps):
             start = step * pairs_per_rank + m * args.device_batch_size

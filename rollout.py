@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import common
-from common import autocast_ctx, format_eta, get_dist_info, print0
+from common import autocast_ctx, fill_preset, format_eta, get_dist_info, print0
 from engine import load_model, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from judge import JudgedTask, add_judge_flags, judge_from_args
@@ -634,9 +634,7 @@ def check_numeric_flags(parser, args, rules):
 def finish_args(parser, args):
     """Fill the preset's and the loss kind's defaults, then refuse the values and combinations that cannot run."""
     args.fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    fill_preset(args, PRESETS[args.preset])
     filled = {key: value for key, value in LOSS_DEFAULTS[args.loss].items() if getattr(args, key) is None}
     for key, value in filled.items():
         setattr(args, key, value)
