@@ -563,20 +563,43 @@ def add_stage_flags(parser, presets, preset, seed, out, resume, ckpt=None, run="
     """
     Add the flags every training stage has: --preset (the keys of `presets`, default tiny), --device, --seed (default
     0), --wandb-run (default dummy), --ckpt (only when its help is given: pretrain starts from scratch), --out and
-    --resume. The other arguments are the stage's own help texts of those flags. In a rehearsal, shrinks `presets`
-    first (rehearse).
+    --resume, in the argument group "run and checkpoint" it returns (a stage adds its own run flags there). The
+    other arguments are the stage's own help texts of those flags. In a rehearsal, shrinks `presets` first
+    (rehearse).
     """
     rehearse(presets, parser.prog)
-    parser.add_argument("--preset", choices=sorted(presets), default="tiny", help=preset)
-    parser.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
-    parser.add_argument("--seed", type=int, default=0, help=seed)
+    group = parser.add_argument_group("run and checkpoint")
+    group.add_argument("--preset", choices=sorted(presets), default="tiny", help=preset)
+    group.add_argument("--device", default=None, help="cuda | mps | cpu (default: autodetect)")
+    group.add_argument("--seed", type=int, default=0, help=seed)
     # Not `--run`: torchrun parses the flags after the script too, and takes `--run` for an ambiguous abbreviation of
     # its own --run-path/--run_path. No stage flag may be a prefix of a torchrun option (tests/test_launch.py).
-    parser.add_argument("--wandb-run", dest="run", default="dummy", help=run)
+    group.add_argument("--wandb-run", dest="run", default="dummy", help=run)
     if ckpt is not None:
-        parser.add_argument("--ckpt", default=None, help=ckpt)
-    parser.add_argument("--out", default=None, help=out)
-    parser.add_argument("--resume", action="store_true", help=resume)
+        group.add_argument("--ckpt", default=None, help=ckpt)
+    group.add_argument("--out", default=None, help=out)
+    group.add_argument("--resume", action="store_true", help=resume)
+    return group
+
+
+def fill_preset(args, preset):
+    """Every flag left unset (None) takes the preset's value: explicit flags win."""
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
+def set_lr(optimizers, multiplier):
+    """This step's learning rates: every parameter group's initial_lr x the schedule's multiplier."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * multiplier
+
+
+def load_optimizers(optimizers, states):
+    """On resume, each optimizer's state from the checkpoint's list, in order."""
+    for optimizer, state in zip(optimizers, states):
+        optimizer.load_state_dict(state)
 
 
 def check_numbers(args, positive=(), nonnegative=()):

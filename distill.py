@@ -30,14 +30,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_ctx, checkpoint_dir, compute_cleanup,
-                    compute_init, format_eta, load_checkpoint, preempted, exit_preempted, print0, resume_or_finish,
-                    run_cli, save_checkpoint)
+                    compute_init, exit_preempted, fill_preset, format_eta, load_checkpoint, load_optimizers, preempted,
+                    print0, resume_or_finish, run_cli, save_checkpoint)
 from engine import Engine, load_model
 from eval import evaluate_generative
 from model import (EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint)
-from rollout import (all_reduce_gradients, collate_rollouts, learner_rows, mix_seed, prepare_prompts, reduce_tally,
-                     sample_groups, token_logprobs)
+from rollout import (all_reduce_gradients, collate_rollouts, group_rewards, learner_rows, mix_seed, prepare_prompts,
+                     reduce_tally, sample_groups, token_logprobs)
 from tasks import token_budget_batches
 
 PRESETS = {  # the RL prompts and budgets of rollout.PRESETS' tiny / full, one step = one batch of samples
@@ -165,9 +165,7 @@ def parse_args(argv=None):
     add_lora_flags(parser)
     args = parser.parse_args(argv)
     check_lora_flags(parser, args)
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    fill_preset(args, PRESETS[args.preset])
     return args
 
 
@@ -207,8 +205,7 @@ def main(argv=None):
     start_step, history, tokens_sampled, extra = 0, [], 0, {}
     if resume:
         _, _, extra = load_checkpoint(resume, device=device)
-        for optimizer, state in zip(optimizers, extra["optimizers"]):
-            optimizer.load_state_dict(state)
+        load_optimizers(optimizers, extra["optimizers"])
         if lora:
             lora.load_state_dict(extra["lora"])
         start_step, history, tokens_sampled, teacher_eval = (extra["step"], extra["history"], extra["tokens_sampled"],
@@ -242,7 +239,7 @@ def main(argv=None):
                                             args.max_tokens, sampling, seed=mix_seed(args.seed, step),
                                             filter_zero_contrast=False, max_rounds=1, rank=rank,
                                             world_size=world_size)
-        rows = learner_rows(groups, args.group_size, None, None, mask_truncated=False, raw_rewards=True)
+        rows = learner_rows(groups, group_rewards(groups)[0].tolist(), mask_truncated=False)
         batches, _ = token_budget_batches([[len(row[0]) - 1] for row in rows], args.device_batch_tokens)
         micros = [collate_rollouts([rows[i] for i in batch], pad_id, device) for batch in batches]
         count = torch.tensor(sum(float(m["mask"].sum()) for m in micros), dtype=torch.float64, device=device)

@@ -38,7 +38,7 @@ from judge import JudgedTask, add_judge_flags, judge_from_args
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint, trainable_params)
 from rollout import preference_pairs
-from tasks import collate, decontamination_index, task_by_name, token_budget_batches
+from tasks import collate, decontamination_index, registered_tasks, task_by_name, token_budget_batches
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "sigmoid_norm", "simpo", "orpo", "kto")
 PAIRED_LOSSES = LOSS_TYPES[:-1]  # dpo_loss's; kto_loss works on single answers labelled desirable or undesirable
@@ -441,7 +441,7 @@ def main(argv=None):
     parser.add_argument("--pairs", choices=("ultrafeedback", "synthetic", "self-generated"),
                         help="preference data: the hub set, the synthetic pairs, or pairs sampled from the SFT model "
                              "and labelled by --task's verifier")
-    parser.add_argument("--task", choices=("synthetic", "gsm8k"),
+    parser.add_argument("--task", choices=registered_tasks("generative"),
                         help="verifiable task: prompts of self-generated pairs, and the held-out accuracy check")
     parser.add_argument("--train-pairs", type=int, help="pairs (self-generated: prompts) to train on")
     parser.add_argument("--eval-pairs", type=int, help="held-out pairs (self-generated: prompts)")
@@ -493,9 +493,7 @@ def main(argv=None):
                      "model with its adapters off, live already")
     fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
     filled = resolve_loss_defaults(args)
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    common.fill_preset(args, PRESETS[args.preset])
     common.check_numbers(args, positive=["train_pairs", "eval_pairs", "samples", "beta", "epochs",
                                          "batch_size", "device_batch_tokens", "max_seq_len", "eval_every",
                                          "check_problems", "check_samples", "max_new_tokens"],
@@ -607,8 +605,7 @@ def main(argv=None):
             lora.load_state_dict(extra["lora"])
         else:
             model.load_state_dict(state)
-        for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
-            optimizer.load_state_dict(optimizer_state)
+        common.load_optimizers(optimizers, extra["optimizers"])
         start_step = extra["step"]
         print0(f"resuming from step {start_step}")
     policy = model
@@ -619,9 +616,7 @@ def main(argv=None):
     t0 = time.time()
     for step in range(start_step, num_steps):
         lr_multiplier = 1.0 - step / num_steps  # linear decay to 0
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * lr_multiplier
+        common.set_lr(optimizers, lr_multiplier)
         positions = [(step * pairs_per_rank + i) % len(train_pairs) for i in range(pairs_per_rank)]
         step_pairs = [train_pairs[p] for p in positions]
         if not live_reference or args.loss_type in REFERENCE_FREE:

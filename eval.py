@@ -65,13 +65,12 @@ import report
 from common import autocast_ctx, format_eta, get_dist_info, print0
 from engine import Engine, load_model
 from tasks import (LETTERS, MultipleChoice, canonical_number, collate, completion_reward, extract_final_answer,
-                   pretraining_batches, pretraining_texts, task_by_name, token_budget_batches)
+                   pretraining_batches, pretraining_texts, registered_tasks, task_by_name, token_budget_batches)
 
 # The checkpoints eval.py evaluates: the pipeline's, and those the README's alternatives write (dpo.py --loss orpo /
 # kto: checkpoints/orpo / kto, sft.py --rft-rounds: checkpoints/rft) and distill.py, so that they share the coverage
 # table.
 STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "distill", "merge", "rft", "orpo", "kto")
-GENERATIVE_TASKS = ("synthetic", "gsm8k")
 MC_TASKS = tuple(MultipleChoice.SOURCES)  # arc-easy, arc-challenge, mmlu
 MC_STYLE = {"arc-easy": "continuation", "arc-challenge": "continuation", "mmlu": "letter"}
 MC_SHOTS = {"arc-easy": 0, "arc-challenge": 0, "mmlu": 5}
@@ -500,9 +499,9 @@ def main(argv=None):
     if any(not 1 <= k <= args.num_samples for k in ks):
         parser.error(f"--k {args.k}: every k must be between 1 and --num-samples ({args.num_samples})")
     for name in (args.tasks or "").split(","):
-        if name.strip() and name.strip() not in ("bpb", "core") + GENERATIVE_TASKS + MC_TASKS:
-            parser.error(f"--tasks: unknown task {name.strip()!r}; "
-                         f"expected bpb, core, {', '.join(GENERATIVE_TASKS + MC_TASKS)}")
+        known = ["bpb", "core", *registered_tasks("generative", "multiple-choice")]  # tasks.TASKS
+        if name.strip() and name.strip() not in known:
+            parser.error(f"--tasks: unknown task {name.strip()!r}; expected {', '.join(known)}")
     temperature = args.temperature if args.temperature is not None else (0.0 if args.num_samples == 1 else 1.0)
     max_tokens = args.max_tokens or preset["max_tokens"]
     max_problems = args.max_problems or preset["max_problems"]

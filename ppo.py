@@ -7,7 +7,8 @@ PPO with a critic for language models (Schulman et al. 2017; Ziegler et al. 2019
     torchrun --nproc_per_node=8 ppo.py --preset full --ckpt CK/sft --out CK/ppo
 
 Each step, on every rank:
-    1. rollout   rl.py's (rollout.Rollouts: prompts, G completions of each, the verifier's or the reward model's score)
+    1. rollout   rl.py's (rl_systems.Rollouts: prompts, G completions of each, the verifier's or the reward model's
+                 score)
     2. rewards   token_rewards: the KL to the reference on every token (--kl-placement reward, the default: the
                  penalty is part of the reward), the completion's score on its last token
     3. advantage the critic (a copy of the policy's trunk with a zero-started scalar head, its own optimizers; with
@@ -31,14 +32,17 @@ import torch
 
 from common import (FINISHED, Logger, add_stage_flags, append_report, autocast_ctx, batch_tokens_for_device,
                     check_ranks_agree, checkpoint_dir, compute_cleanup, compute_init, exit_preempted, kv_cache_bytes,
-                    load_checkpoint, preempted, print0, resume_or_finish, run_cli, save_checkpoint, synchronize)
+                    load_checkpoint, load_optimizers, preempted, print0, resume_or_finish, run_cli, save_checkpoint,
+                    set_lr, synchronize)
 from engine import Engine, load_model
 from model import EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
-from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, aggregate, all_reduce_gradients,
-                     batch_counts, check_numeric_flags, difficulty_prompts, evaluate_held_out, finish_args,
-                     global_moments, kl_penalty, learner_batches, learner_tally, load_reward_model, policy_loss,
-                     prepare_prompts, print_step, reduce_tally, reference_sampling, report_record, reward_judge,
-                     row_sampling, score_old, step_metrics, token_logprobs, whiten)
+from objectives import aggregate, kl_penalty, policy_loss, whiten
+from rollout import (PRESETS, account_sources, add_flags, add_loss_stats, all_reduce_gradients, batch_counts,
+                     check_numeric_flags, evaluate_held_out, finish_args, global_moments, group_rewards,
+                     learner_batches, learner_tally, load_reward_model, prepare_prompts, print_step, reduce_tally,
+                     reference_sampling, report_record, reward_judge, row_sampling, score_old, step_metrics,
+                     token_logprobs)
+from rl_systems import Rollouts, difficulty_prompts
 
 # -----------------------------------------------------------------------------
 # The math: per-token rewards, GAE, the clipped value loss
@@ -128,13 +132,13 @@ def explained_variance(pairs, device):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_stage_flags(parser, PRESETS, preset="fills the defaults below; explicit flags win",
-                    seed="seeds prompt draws and sampling", run="wandb run name ('dummy': no wandb)",
-                    ckpt="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/sft)",
-                    out="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/ppo)",
-                    resume="continue from the latest checkpoint in --out; exit if it is finished")
-    add_flags(parser)
-    add = parser.add_argument
+    run = add_stage_flags(parser, PRESETS, preset="fills the defaults below; explicit flags win",
+                          seed="seeds prompt draws and sampling", run="wandb run name ('dummy': no wandb)",
+                          ckpt="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/sft)",
+                          out="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/ppo)",
+                          resume="continue from the latest checkpoint in --out; exit if it is finished")
+    add = parser.add_argument_group("PPO: the critic, GAE, where the KL goes").add_argument
+    add_flags(parser, run)
     add("--kl-placement", choices=["loss", "reward"], default="reward",
         help="reward: -kl_coef * (logp - ref_logp) on every token's reward (PPO-RLHF, token_rewards); loss: "
              "kl_coef * KL(--kl-kind) added to the policy loss, as GRPO does")
@@ -216,11 +220,9 @@ def main(argv=None):
     start_step, history, source_totals, extra = 0, [], Counter(), {}
     if resume:
         _, _, extra = load_checkpoint(resume, device=device)
-        for optimizer, state in zip(optimizers, extra["optimizers"]):
-            optimizer.load_state_dict(state)
+        load_optimizers(optimizers, extra["optimizers"])
         critic.load_state_dict(extra["critic"])
-        for optimizer, state in zip(critic_optimizers, extra["critic_optimizers"]):
-            optimizer.load_state_dict(state)
+        load_optimizers(critic_optimizers, extra["critic_optimizers"])
         start_step, history = extra["step"], extra["history"]
         source_totals.update(extra["source_totals"])
         print0(f"resuming at step {start_step}")
@@ -252,7 +254,8 @@ def main(argv=None):
         groups, rollout_tally, info = rollouts.next_groups(step)
         synchronize(device)
         t1 = time.time()
-        minibatches, positions = learner_batches(groups, args, pad_id, device)  # rows carry their raw rewards
+        rewards, _ = group_rewards(groups)  # rows carry their raw rewards
+        minibatches, positions = learner_batches(groups, rewards.tolist(), args, pad_id, device)
 
         # Score the batch with the weights that sampled it (old log-probs, reference log-probs, the critic's
         # values), then per-token rewards -> GAE; advantages whitened over the whole batch of every rank, as PPO does.
@@ -289,9 +292,7 @@ def main(argv=None):
         nets = [(critic, critic_optimizers)] if step < args.critic_warmup_steps else [(model, optimizers),
                                                                                       (critic, critic_optimizers)]
         lr_multiplier = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * lr_multiplier
+        set_lr(optimizers, lr_multiplier)
         optimizer_steps, grad_norms = 0, []
         for epoch in range(args.epochs):
             for minibatch, count, value_count in zip(minibatches, counts, value_counts):

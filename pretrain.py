@@ -27,8 +27,8 @@ import tasks
 from common import (ASSUMED_MFU, FINISHED, HARDWARE, Logger, add_stage_flags, append_report, autocast_ctx,
                     batch_tokens_for_device, check_numbers, check_ranks_agree, checkpoint_dir, compute_cleanup,
                     compute_init, exit_preempted, fit_batch_tokens, format_eta, get_base_dir, load_checkpoint,
-                    model_size, peak_flops, preempted, print0, print_plan, resume_or_finish, run_cli, save_checkpoint,
-                    stage_plan, synchronize)
+                    load_optimizers, model_size, peak_flops, preempted, print0, print_plan, resume_or_finish, run_cli,
+                    save_checkpoint, set_lr, stage_plan, synchronize)
 from engine import Engine
 from eval import evaluate_bpb
 from model import EMBEDDING_LR, GPT, MATRIX_LR, UNEMBEDDING_LR, GPTConfig
@@ -231,8 +231,7 @@ def main(argv=None):
             raise ValueError(f"{args.out} was written by a different run (model, batch, horizon or number of "
                              "processes differ); resume with the same flags or pick another --out")
         model.load_state_dict(model_state)
-        for optimizer, state in zip(optimizers, extra["optimizers"]):
-            optimizer.load_state_dict(state)
+        load_optimizers(optimizers, extra["optimizers"])
         start_step, data_position = meta["step"], extra["data_positions"][rank]
         train_seconds, train_tokens = extra["train_seconds"], extra["train_tokens"]
         torch.set_rng_state(extra["rng_cpu"].cpu())
@@ -352,9 +351,7 @@ def main(argv=None):
                      or step == num_iterations - 1)
         t0 = time.time()
         lrm = lr_multiplier(step, num_iterations, args.warmup_frac, args.warmdown_frac)
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * lrm
+        set_lr(optimizers, lrm)
         for group in muon.param_groups:
             group["momentum"] = muon_momentum(step)
         loss_sum = torch.zeros((), device=device)

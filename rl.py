@@ -1,88 +1,29 @@
 """
-Reinforcement learning from verifiable rewards: the GRPO family, one loop, every knob of 2024-2026 as a flag.
+Reinforcement learning from verifiable rewards: the GRPO family, one loop written out below.
 
     python rl.py --preset tiny                                  # CPU, synthetic arithmetic, ~2 minutes
     python rl.py --preset small                                 # GSM8K, depth 8, on one 24 GB GPU
-    torchrun --nproc_per_node=8 rl.py --preset full             # one node, 8 GPUs
-    torchrun --nnodes=2 --nproc_per_node=8 --node-rank=0 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
-             rl.py --preset full                                # two nodes (node-rank 1 on the other)
+    torchrun --nproc_per_node=8 rl.py --preset full             # one node, 8 GPUs (--nnodes=2 ... for two)
     python rl.py --preset tiny --ckpt CK/sft --out CK/rlhf --reward rm --rm-ckpt CK/rm   # RL from a reward model
     python rl.py --preset tiny --lora-rank 8                    # LoRA adapters (model.LoRA) on a frozen policy
-    torchrun --nproc_per_node=8 rl.py --preset full --task ultrafeedback --reward rm --rm-ckpt CK/rm --out CK/rlhf
 
-RL from a reward model, the older RLHF recipe's reward (Ziegler et al. 2019; Ouyang et al. 2022):
-    --reward rm     each completion is scored by a reward model of rm.py (normalize_scores: z-scored per step over
-                    every rank); the KL penalty to the reference is then on by default (0.05), and the group
-                    advantages are not divided by the group's std (Dr. GRPO, --adv-scale none): dynamic sampling is
-                    off for a scalar reward, so a group whose scores nearly tie would otherwise get advantages as
-                    large as a real contrast. The verifier still measures: reward accuracy and held-out pass@1 are
-                    logged next to the reward model's score.
-PPO with a critic and GAE is its own stage, ppo.py. The rollouts (prompts, sampling, scoring, the learner's rows) and
-the objective's math (group_advantages, policy_loss, kl_penalty, mismatch_weights) live in rollout.py, shared by both.
-
-Each step, on every rank (ranks hold different prompts; a group never spans ranks):
-    1. rollout   draw prompts; Engine.generate samples G completions of each (one prefill per prompt, all rows decoded
-                 together) and keeps their token ids, masks (0 on forced tool output) and behavior log-probs. The
-                 learner trains on exactly those ids: text is never re-tokenized.
-    2. score     the task's verifier (tasks.completion_reward: an answer that ran into --max-tokens is 0; a verifier
-                 crash or timeout is counted and the completion left out of training), plus the optional DAPO
-                 overlong penalty; dynamic sampling drops groups whose verifier rewards are all equal and samples
-                 again. A step never holds the same prompt twice (ranks and rounds draw without replacement).
-    3. advantage group_advantages: every token of a completion carries its completion's advantage.
-    4. update    the old log-probs, entropy and engine/trainer gap of every token (from the learner's own pass when one
-                 epoch of one minibatch makes the ratio exactly 1; else from a no-grad pass first); then `--epochs`
-                 passes of `--minibatches` optimizer steps each minimise policy_loss (+ KL).
-    5. every --eval-every steps: held-out pass@1 / pass@k (eval.evaluate_generative); at the end: checkpoint + report.
-
-The default recipe (`--preset` only chooses data, sizes and learning rates; the algorithm is the same):
-    - GRPO groups with std scaling, A_i = (r_i - mean(r)) / (std(r) + eps). With binary rewards, std scaling gives each
-      kept prompt the same total weight (sum_i A_i^2 = G) whatever its success rate, so a prompt solved once in
-      16 teaches as much as one solved half the time. Its known pathology, dividing by a vanishing std, cannot occur:
-      dynamic sampling has already removed the zero-std groups. (Dr. GRPO, no scaling: --adv-scale none.)
-    - Dynamic sampling on (DAPO): groups with no contrast carry no gradient; filling the batch with groups that do
-      keeps the effective batch size constant as accuracy rises.
-    - kind ppo with clip-higher (DAPO): eps_low 0.2, eps_high 0.28. The wider upper bound lets the probability of
-      unlikely-but-rewarded tokens grow faster, which keeps entropy from collapsing.
-    - token-mean aggregation (DAPO): every generated token of the batch weighs the same, so long completions are
-      neither favoured nor diluted as they are by the per-sequence mean of the original GRPO.
-    - no KL and no reference model (DAPO, Dr. GRPO): the KL leash guards against exploiting a learned reward model;
-      a verifier cannot be flattered, and reasoning is meant to move the policy far from where it started.
-    - truncated importance sampling with cap 2 (Yao et al. 2025, "Your efficient RL framework secretly brings you
-      off-policy RL training"): weights min(pi_trainer / pi_engine, 2) correct the sampler/learner numerical gap
-      (bf16 kernels, different batch shapes); on CPU fp32 the gap is ~0 and the weights are 1.
-    - fully on-policy by default: one epoch, one minibatch, so the PPO ratio is 1 and clipping only matters when
-      --epochs or --minibatches is raised (then, and only then, a no-grad pass scores the old log-probs first).
-
-Systems pieces of the frontier recipes (DAPO, verl, AReaL, PTGS), each a flag; measured on the tiny preset (20 steps
-from the tiny DPO checkpoint, same seed, one sitting; pass@1 / pass@8 on 128 held-out problems x 8 samples):
-    --task a:w,b:w       a weighted mixture of tasks (shares of the prompts, tasks.PromptMixture). Per source the logs
-                         count groups dispatched and kept, valid tokens and the share of the loss mass
-                         (sum of |A| over its valid tokens), so an easy or fast source cannot silently take the batch.
-    --decontaminate      drop training prompts that share a 13-gram of normalised words with an evaluation set in use
-                         or contain a whole evaluation question of 5-12 words (tasks.decontamination_index; counted
-                         per source in the log and the report). On for full
-                         (hub data); off for tiny, whose synthetic family is split by a hash of the question: there
-                         13-grams of the templated stories flag 66 of the 5000 training prompts, different problems
-                         that share 13 words with a test story (another starting number).
-    --difficulty-filter  before RL, n samples of each training prompt with the start checkpoint; keep the prompts
-                         whose success rate is strictly inside (LOW, HIGH): always- and never-solved prompts only make
-                         zero-contrast groups. Cached in the checkpoint's folder. Tiny (512 prompts, 8 samples,
-                         (0.1, 0.9): 332 kept; the pass costs 369 s, 4096 completions): pass@1 0.965 vs 0.976
-                         unfiltered, pass@8 1.000 both. The tiny start model solves most prompts, so dynamic sampling
-                         already finds contrast: off.
-    --ptgs               per-task exploration temperature (TemperatureController): each group is sampled, and scored
-                         by the learner, at a temperature drawn from its prompt's discounted success posterior.
-                         Tiny: pass@1 0.973 vs 0.976, pass@8 1.000 both, rollouts 1.37x slower (groups at different
-                         temperatures are separate engine calls); with 5000 prompts and 320 drawn in 20 steps a
-                         prompt rarely recurs, so its posterior stays the prior: off.
-    --async              overlapped rollouts (RolloutWorker): a worker process samples step k + 1 with the weights
-                         of step k while the learner updates on step k; truncated importance sampling (--mismatch tis)
-                         corrects the one-step staleness (--mismatch none is refused); groups older than
-                         --max-policy-age (1) are dropped and counted; a resumed run asks for its first step with the
-                         checkpointed one-update-old weights, so it continues bit for bit. Tiny: pass@1 0.972 vs
-                         0.976 synchronous, pass@8 1.000 both; the 20 steps took 814 s vs 1244 s (1.53x) with policy
-                         age 1 and 185 s of learner idle, on a machine oversubscribed by other jobs, where a second
-                         process also gets a larger share of the cores: off until measured on an idle machine.
+Each step, on every rank (a group never spans ranks): rollout (Engine.generate, G completions per prompt, their ids
+and behavior log-probs kept: text is never re-tokenized) -> score (the verifier; dynamic sampling) ->
+group_advantages -> old log-probs and the ratio -> policy_loss -> aggregate (+ KL) -> optimizer step -> log, eval,
+save. The math is objectives.py, the mechanism rollout.py, the opt-in systems rl_systems.py; PPO with a critic is
+ppo.py. The default recipe (--preset chooses data, sizes and learning rates only):
+    - GRPO advantages (r - mean) / (std + eps) (Shao et al. 2024); with binary rewards every kept prompt gets the
+      same total weight; Dr. GRPO (Liu et al. 2025): --adv-scale none; RLOO: --adv-baseline loo.
+    - dynamic sampling (DAPO, Yu et al. 2025): zero-contrast groups are dropped and more are sampled.
+    - the ppo loss with clip-higher eps 0.2 / 0.28 (DAPO) and token-mean aggregation (DAPO).
+    - no KL and no reference model (DAPO, Dr. GRPO): a verifier cannot be flattered. --reward rm (Ziegler et al.
+      2019; Ouyang et al. 2022) turns KL on (0.05) and std scaling off: a learned reward can be exploited.
+    - truncated importance sampling, cap 2 (Yao et al. 2025): min(pi_trainer / pi_engine, 2) corrects the
+      sampler/learner numerical gap.
+    - fully on-policy: one epoch of one minibatch, so the ratio is 1 and the learner's own pass gives the old
+      log-probs; with --epochs or --minibatches > 1 a no-grad pass scores them first.
+Opt-in systems, off by default (measured in docs/results.md, "RL systems flags"): --task a:w,b:w mixtures,
+--decontaminate, --difficulty-filter, --ptgs, --async.
 """
 
 import argparse
@@ -97,84 +38,34 @@ import torch
 from common import (ASSUMED_PASS_RATE, FINISHED, HARDWARE, Logger, add_stage_flags, append_report,
                     batch_tokens_for_device, check_ranks_agree, checkpoint_dir, compute_cleanup, compute_init,
                     exit_preempted, expected_sampling_rounds, fit_batch_tokens, inference_memory, kv_cache_bytes,
-                    load_checkpoint, model_size, preempted, print0, print_plan, resume_or_finish, rl_models_bytes,
-                    run_cli, save_checkpoint, stage_plan, synchronize)
+                    load_checkpoint, load_optimizers, model_size, preempted, print0, print_plan, resume_or_finish,
+                    rl_models_bytes, run_cli, save_checkpoint, set_lr, stage_plan, synchronize)
 from engine import Engine, load_model
 from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR, add_lora_flags, attach_lora,
                    check_lora_flags, lora_checkpoint, trainable_params)
-from rollout import (PRESETS, Rollouts, account_sources, add_flags, add_loss_stats, aggregate, all_reduce_gradients,
-                     batch_counts, difficulty_prompts, evaluate_held_out, finish_args, kl_penalty, learner_batches,
-                     learner_tally, load_reward_model, policy_loss, prepare_prompts, print_step, reduce_tally,
-                     reference_sampling, report_record, reward_judge, row_sampling, score_old, step_metrics,
-                     token_logprobs)
-# The objective this stage trains lives in rollout.py, shared with ppo.py (a stage never imports another stage), and
-# is named here as part of rl.py's interface: group_advantages (GRPO / Dr. GRPO / RLOO, applied by
-# rollout.learner_rows), overlong_penalty (DAPO), policy_loss (pg / ppo / gspo / cispo, reduced by aggregate),
-# kl_penalty (k1 / k2 / k3), mismatch_weights (TIS / masking of the engine/trainer gap), normalize_scores (--reward rm).
-from rollout import (AGGREGATIONS, KL_KINDS, LOSS_DEFAULTS, LOSS_KINDS, group_advantages,  # noqa: F401
-                     mismatch_weights, normalize_scores, overlong_penalty)
-
-PLAN_PROMPT_TOKENS = 256  # a GSM8K prompt, rendered, is at most ~250 tokens: for the budget (plan)
-
-
-def plan(args, config):
-    """
-    The preset's budget (common.stage_plan). Rollouts dominate: each sampling round decodes prompts x group_size x
-    oversample rows of max_tokens (the batch runs until its longest row ends); dynamic sampling runs rounds until
-    every rank holds its groups with contrast, common.expected_sampling_rounds of them from the task's assumed
-    starting pass rate (common.ASSUMED_PASS_RATE; one round without the filter or without an assumed rate), plus the
-    held-out evaluations; at HARDWARE's assumed decode rate. The learner: every kept row at prompt + max_tokens
-    positions, 6N FLOPs per token plus the chunked logits' second lm_head forward, a no-grad old-log-prob pass (2N)
-    only when --epochs or --minibatches > 1 (skipped otherwise), a reference pass (2N) with --kl-coef. Memory: the
-    larger of the learner at the largest micro-batch that fits (gradients summed in place, no DDP buckets) and the
-    rollout (weights, optimizer state, this rank's KV cache of a round, bf16), which never coexist: the engine's
-    cache is freed when generate returns; both plus the reference, reward model and critic the flags load
-    (common.rl_models_bytes). With --lora-rank the learner keeps gradients and AdamW state of the adapters only.
-    """
-    hw = HARDWARE[args.preset]
-    flops = model_size(config)[1]
-    positions = PLAN_PROMPT_TOKENS + args.max_tokens
-    rows = args.prompts_per_step * args.group_size * args.oversample  # per sampling round, all ranks
-    pass_rate = ASSUMED_PASS_RATE.get(args.task, {}).get(args.preset)
-    filtered = args.filter_zero_contrast and args.reward == "verifier" and pass_rate is not None
-    rounds = expected_sampling_rounds(pass_rate, args.group_size, math.ceil(args.prompts_per_step / hw["gpus"]),
-                                      args.oversample, hw["gpus"], args.max_sampling_rounds) if filtered else 1.0
-    evals = (args.num_steps // args.eval_every if args.eval_every else 1) + 1  # the start, periodic, the end
-    decode = (args.num_steps * rounds * rows * args.max_tokens
-              + evals * args.eval_problems * args.eval_samples * args.max_tokens)
-    passes = args.epochs * (flops + 2 * config.n_embd * config.vocab_size)
-    passes += (flops / 3 if args.epochs > 1 or args.minibatches > 1 else 0) + (flops / 3 if args.kl_coef > 0 else 0)
-    tokens = args.num_steps * args.prompts_per_step * args.group_size * positions
-    trainable = trainable_params(config, args)  # with --lora-rank: the adapters' gradients and AdamW state only
-    # With LoRA the reference is the policy with its adapters off: no second copy.
-    extra = sum(rl_models_bytes(config, reference=args.kl_coef > 0 and trainable is None,
-                                reward_model=args.reward == "rm", critic=False).values())
-    rollout = inference_memory(config, math.ceil(rows / hw["gpus"]), positions, math.ceil(rows / hw["gpus"]),
-                               optimizer=True) + extra
-    micro = fit_batch_tokens("rl", config, hw["memory"], args.device_batch_tokens, positions, LOGITS_CHUNK_TOKENS,
-                             extra, ddp=False, trainable=trainable)
-    why = f"pass@1 {pass_rate:.0%} assumed, slowest of {hw['gpus']} rank(s)" if filtered else "no contrast filter"
-    return dict(stage_plan("rl", args.preset, config, micro, LOGITS_CHUNK_TOKENS, tokens, passes, decode_tokens=decode,
-                           extra_bytes=extra, ddp=False, phase_bytes=rollout, trainable=trainable,
-                           note=f"{rounds:.2f} sampling rounds per step ({why}), --oversample {args.oversample:g}"),
-                sampling_rounds=rounds)
+from objectives import aggregate, group_advantages, kl_penalty, policy_loss
+from rollout import (PRESETS, account_sources, add_flags, add_loss_stats, all_reduce_gradients, batch_counts,
+                     evaluate_held_out, finish_args, group_rewards, learner_batches, learner_tally, load_reward_model,
+                     prepare_prompts, print_step, reduce_tally, reference_sampling, report_record, reward_judge,
+                     row_sampling, score_old, step_metrics, token_logprobs)
+from rl_systems import Rollouts, difficulty_prompts
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_stage_flags(parser, PRESETS, preset="fills the defaults below; explicit flags win",
-                    seed="seeds prompt draws and sampling", run="wandb run name ('dummy': no wandb)",
-                    ckpt="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/dpo)",
-                    out="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)",
-                    resume="continue from the latest checkpoint in --out; exit if it is finished")
-    add_flags(parser)
-    parser.add_argument("--adv-scale", choices=["std", "none"], default=None,
+    run = add_stage_flags(parser, PRESETS, preset="fills the defaults below; explicit flags win",
+                          seed="seeds prompt draws and sampling", run="wandb run name ('dummy': no wandb)",
+                          ckpt="input checkpoint folder (default: $NANOPOST_HOME/checkpoints/dpo)",
+                          out="output checkpoint folder (default: $NANOPOST_HOME/checkpoints/rl)",
+                          resume="continue from the latest checkpoint in --out; exit if it is finished")
+    recipe = add_flags(parser, run)["recipe"]
+    recipe.add_argument("--adv-scale", choices=["std", "none"], default=None,
                         help="std: GRPO; none: Dr. GRPO (default: std, none with --reward rm: a group of near-tied "
                              "scores divided by its tiny std would get full-size advantages)")
-    parser.add_argument("--adv-baseline", choices=["mean", "loo"], default="mean",
+    recipe.add_argument("--adv-baseline", choices=["mean", "loo"], default="mean",
                         help="mean: GRPO; loo: RLOO leave-one-out")
-    add_lora_flags(parser)
+    add_lora_flags(parser.add_argument_group("LoRA"))
     args = parser.parse_args(argv)
     check_lora_flags(parser, args)
     if args.lora_rank and args.async_rollouts:
@@ -243,8 +134,7 @@ def main(argv=None):
     tokens_sampled = 0  # every sampled completion token, dynamic sampling's dropped groups too: the rollout budget
     if resume:
         _, _, extra = load_checkpoint(resume, device=device)
-        for optimizer, state in zip(optimizers, extra["optimizers"]):
-            optimizer.load_state_dict(state)
+        load_optimizers(optimizers, extra["optimizers"])
         if lora:
             lora.load_state_dict(extra["lora"])
         start_step, history, tokens_sampled = extra["step"], extra["history"], extra["tokens_sampled"]
@@ -279,8 +169,11 @@ def main(argv=None):
         synchronize(device)
         t1 = time.time()
 
-        # 3. Advantages; micro-batches of sequences, grouped into minibatches by prompt.
-        minibatches, positions = learner_batches(groups, args, pad_id, device, adv=(args.adv_scale, args.adv_baseline))
+        # 3. Advantages: every token of a completion carries its group advantage; an errored completion has none.
+        rewards, valid = group_rewards(groups)  # (N,), (N,) in group order
+        advantages = group_advantages(rewards, args.group_size, scale=args.adv_scale, baseline=args.adv_baseline,
+                                      valid=valid)  # (N,)
+        minibatches, positions = learner_batches(groups, advantages.tolist(), args, pad_id, device)
 
         # 4a. Old log-probs, the engine/trainer gap, entropy (score_old); the reference log-probs; the global counts
         # the loss is averaged over. One epoch of one minibatch updates once, after every micro-batch is scored: its
@@ -302,9 +195,7 @@ def main(argv=None):
 
         # 4b. The update: --epochs passes over the batch, one optimizer step per minibatch.
         lr_multiplier = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * lr_multiplier
+        set_lr(optimizers, lr_multiplier)
         optimizer_steps, grad_norms = 0, []  # the same on every rank (grad norms are taken after the all-reduce)
         for epoch in range(args.epochs):
             for minibatch, count in zip(minibatches, counts):
@@ -375,6 +266,52 @@ def main(argv=None):
                                 time.time() - t_start, source_totals, decontaminated, len(train_task)), logger)
     logger.finish()
     compute_cleanup()
+
+
+PLAN_PROMPT_TOKENS = 256  # a GSM8K prompt, rendered, is at most ~250 tokens: for the budget (plan)
+
+
+def plan(args, config):
+    """
+    The preset's budget (common.stage_plan). Rollouts dominate: each sampling round decodes prompts x group_size x
+    oversample rows of max_tokens (the batch runs until its longest row ends); dynamic sampling runs rounds until
+    every rank holds its groups with contrast, common.expected_sampling_rounds of them from the task's assumed
+    starting pass rate (common.ASSUMED_PASS_RATE; one round without the filter or without an assumed rate), plus the
+    held-out evaluations; at HARDWARE's assumed decode rate. The learner: every kept row at prompt + max_tokens
+    positions, 6N FLOPs per token plus the chunked logits' second lm_head forward, a no-grad old-log-prob pass (2N)
+    only when --epochs or --minibatches > 1 (skipped otherwise), a reference pass (2N) with --kl-coef. Memory: the
+    larger of the learner at the largest micro-batch that fits (gradients summed in place, no DDP buckets) and the
+    rollout (weights, optimizer state, this rank's KV cache of a round, bf16), which never coexist: the engine's
+    cache is freed when generate returns; both plus the reference, reward model and critic the flags load
+    (common.rl_models_bytes). With --lora-rank the learner keeps gradients and AdamW state of the adapters only.
+    """
+    hw = HARDWARE[args.preset]
+    flops = model_size(config)[1]
+    positions = PLAN_PROMPT_TOKENS + args.max_tokens
+    rows = args.prompts_per_step * args.group_size * args.oversample  # per sampling round, all ranks
+    pass_rate = ASSUMED_PASS_RATE.get(args.task, {}).get(args.preset)
+    filtered = args.filter_zero_contrast and args.reward == "verifier" and pass_rate is not None
+    rounds = expected_sampling_rounds(pass_rate, args.group_size, math.ceil(args.prompts_per_step / hw["gpus"]),
+                                      args.oversample, hw["gpus"], args.max_sampling_rounds) if filtered else 1.0
+    evals = (args.num_steps // args.eval_every if args.eval_every else 1) + 1  # the start, periodic, the end
+    decode = (args.num_steps * rounds * rows * args.max_tokens
+              + evals * args.eval_problems * args.eval_samples * args.max_tokens)
+    passes = args.epochs * (flops + 2 * config.n_embd * config.vocab_size)
+    passes += (flops / 3 if args.epochs > 1 or args.minibatches > 1 else 0) + (flops / 3 if args.kl_coef > 0 else 0)
+    tokens = args.num_steps * args.prompts_per_step * args.group_size * positions
+    trainable = trainable_params(config, args)  # with --lora-rank: the adapters' gradients and AdamW state only
+    # With LoRA the reference is the policy with its adapters off: no second copy.
+    extra = sum(rl_models_bytes(config, reference=args.kl_coef > 0 and trainable is None,
+                                reward_model=args.reward == "rm", critic=False).values())
+    rollout = inference_memory(config, math.ceil(rows / hw["gpus"]), positions, math.ceil(rows / hw["gpus"]),
+                               optimizer=True) + extra
+    micro = fit_batch_tokens("rl", config, hw["memory"], args.device_batch_tokens, positions, LOGITS_CHUNK_TOKENS,
+                             extra, ddp=False, trainable=trainable)
+    why = f"pass@1 {pass_rate:.0%} assumed, slowest of {hw['gpus']} rank(s)" if filtered else "no contrast filter"
+    return dict(stage_plan("rl", args.preset, config, micro, LOGITS_CHUNK_TOKENS, tokens, passes, decode_tokens=decode,
+                           extra_bytes=extra, ddp=False, phase_bytes=rollout, trainable=trainable,
+                           note=f"{rounds:.2f} sampling rounds per step ({why}), --oversample {args.oversample:g}"),
+                sampling_rounds=rounds)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from engine import Engine, load_model
 from judge import JudgedTask, add_judge_flags, judge_from_args
 from model import EMBEDDING_LR, MATRIX_LR, UNEMBEDDING_LR, ScalarHeadModel
 from rollout import preference_pairs
-from tasks import decontamination_index, pad_sequences, task_by_name
+from tasks import decontamination_index, pad_sequences, registered_tasks, task_by_name
 
 PRESETS = {
     # tiny: 512 synthetic problems x 4 SFT samples -> a few hundred verifier-labelled pairs; 3 epochs of 32-pair steps.
@@ -131,7 +131,7 @@ def main(argv=None):
     add("--pairs", choices=["self-generated", "synthetic", "ultrafeedback"],
         help="self-generated: SFT samples labelled by --task's verifier; synthetic: reference vs. scripted mistake; "
              "ultrafeedback: UltraFeedback-binarized")
-    add("--task", choices=["synthetic", "gsm8k"], help="verifiable task of --pairs self-generated")
+    add("--task", choices=registered_tasks("generative"), help="verifiable task of --pairs self-generated")
     add("--train-pairs", type=int, help="problems (self-generated) or pairs (static sources) to train on")
     add("--eval-pairs", type=int, help="held-out problems or pairs")
     add("--samples", type=int, help="answers sampled per problem for self-generated pairs")
@@ -153,9 +153,7 @@ def main(argv=None):
     add_judge_flags(parser)
     add("--dry-run", action="store_true", help="build model, pairs and optimizers, print the plan and stop")
     args = parser.parse_args(argv)
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    common.fill_preset(args, PRESETS[args.preset])
     common.check_numbers(args, positive=["train_pairs", "eval_pairs", "samples", "max_new_tokens", "max_seq_len",
                                          "batch_size", "device_batch_size", "epochs", "eval_every"],
                          nonnegative=["center_coef", "lr_frac", "head_lr_mult"])
@@ -208,9 +206,7 @@ def main(argv=None):
     order = torch.randperm(len(train_pairs), generator=torch.Generator().manual_seed(args.seed)).tolist()
     t0 = time.time()
     for step in range(num_steps):
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * (1.0 - step / num_steps)
+        common.set_lr(optimizers, 1.0 - step / num_steps)
         stats = torch.zeros(2, device=device)  # loss, correct
         for m in range(micro_steps):
             start = step * pairs_per_rank + m * args.device_batch_size

@@ -4,28 +4,23 @@ feeds the learner from there. Used by rl.py (GRPO family), ppo.py (PPO with a cr
 distillation) and by dpo.py / rm.py for their self-generated preference pairs.
 
     prompts     the --task mixture (tasks.PromptMixture, per-source accounting), decontamination
-                (tasks.decontamination_index), the difficulty filter; entry points: prepare_prompts(args, world_size,
-                judge), then difficulty_prompts(args, engine, train_task, ckpt, resume, sampling)
+                (tasks.decontamination_index); entry point: prepare_prompts(args, world_size, judge)
     sampling    sample_groups (one prefill per prompt, dynamic sampling), score_group (the verifier of every answer),
                 self_generated_pairs / preference_pairs (a right and a wrong answer of one prompt, for DPO and the
-                reward model), PTGS (TemperatureController), the overlapped RolloutWorker; one entry point:
-                Rollouts(...).next_groups(step), a step's scored groups, synchronous or from the worker
+                reward model)
     learner     learner rows and micro-batches exactly as sampled, token_logprobs, reward-model scores, the step's
                 tallies and log lines, the held-out evaluation and the report record shared by rl.py and ppo.py
-    objective   the policy-gradient math both loops train with: group_advantages, policy_loss, kl_penalty,
-                mismatch_weights (a stage never imports another, so it lives here; rl.py presents it)
 
-It imports only shared modules and eval; every RL stage's flags come from add_flags / finish_args, so rl.py and
+The objective's math (group_advantages, policy_loss, kl_penalty, ...) is objectives.py; the opt-in systems (PTGS,
+--async, the difficulty filter) and Rollouts, the step's groups with them, are rl_systems.py. It imports only shared
+modules, eval and objectives; every RL stage's flags come from add_flags / finish_args, so rl.py and
 ppo.py read the same --task, sampling, loss and evaluation options the same way.
 """
 
 import argparse
 import hashlib
-import json
 import math
-import queue
 import random
-import time
 from collections import Counter
 from functools import partial
 
@@ -33,12 +28,13 @@ import torch
 import torch.distributed as dist
 
 import common
-from common import autocast_ctx, format_eta, get_dist_info, print0, resolve_checkpoint
-from engine import Engine, load_model, sampling_logprobs
+from common import autocast_ctx, fill_preset, format_eta, get_dist_info, print0
+from engine import load_model, sampling_logprobs
 from eval import completion_text, evaluate_generative
 from judge import JudgedTask, add_judge_flags, judge_from_args
+from objectives import AGGREGATIONS, KL_KINDS, LOSS_DEFAULTS, LOSS_KINDS, mismatch_weights, overlong_penalty
 from tasks import (PromptMixture, collate, completion_reward, decontamination_index, pad_sequences, prepare_rows,
-                   preference_mixture, render_pair, row_texts, task_by_name, token_budget_batches)
+                   preference_mixture, registered_tasks, render_pair, row_texts, task_by_name, token_budget_batches)
 
 PRESETS = {  # of both RL stages, rl.py and ppo.py: they sample the same prompts with the same budgets
     # Synthetic arithmetic from the tiny DPO checkpoint: ~2 minutes on 2 idle CPU cores. lr_frac: started from a weak
@@ -67,225 +63,9 @@ PRESETS = {  # of both RL stages, rl.py and ppo.py: they sample the same prompts
 }
 
 LOGP_FLOOR = -100.0  # log-probs are floored here: a token outside a top-k/top-p support (-inf) must not become NaN
-LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| and |log pi_trainer/pi_engine| are clamped here before exp(), as in verl:
-# with log-probs floored at -100, exp(98) overflows float32 to inf, and inf * 0 (a clipped branch) is a NaN gradient
 
 # -----------------------------------------------------------------------------
-# The objective: advantages, reward shaping, loss aggregation, policy losses, KL, engine/trainer mismatch
-
-
-def group_advantages(rewards, group_size, scale="std", baseline="mean", eps=1e-6, valid=None):
-    """
-    Advantages of rewards (N,) laid out as N / group_size consecutive groups of completions of one prompt:
-
-        baseline "mean" (GRPO):  b_i = mean_j r_j
-        baseline "loo"  (RLOO):  b_i = (sum_j r_j - r_i) / (G - 1)       leave-one-out: b_i is independent of r_i
-        A_i = r_i - b_i,   then with scale "std" (GRPO):  A_i / (std_j r_j + eps)   (population std of the group)
-                                     scale "none" (Dr. GRPO): A_i unchanged
-
-    valid (N,) bool, optional: the completions that have a reward at all (False: the verifier failed on it, and an
-    error is not a wrong answer). The sums, means and std above then run over a group's n valid members only (G = n),
-    an invalid completion gets A = 0, and a group with fewer than 2 valid members gets A = 0 throughout.
-    A group whose (valid) rewards are all equal gets A = 0 under every option. Returns (N,).
-    """
-    if baseline not in ("mean", "loo"):
-        raise ValueError(f"unknown baseline {baseline!r}; expected 'mean' or 'loo'")
-    if scale not in ("std", "none"):
-        raise ValueError(f"unknown scale {scale!r}; expected 'std' or 'none'")
-    if group_size < 2 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size} (need group_size >= 2)")
-    r = rewards.float().view(-1, group_size)  # (groups, G)
-    v = torch.ones_like(r) if valid is None else valid.view(-1, group_size).float()  # (groups, G)
-    n = v.sum(1, keepdim=True)  # (groups, 1) valid members
-    total = (r * v).sum(1, keepdim=True)
-    mean = total / n.clamp(min=1)
-    if baseline == "mean":
-        advantages = r - mean
-    else:
-        advantages = r - (total - r) / (n - 1).clamp(min=1)
-    if scale == "std":
-        advantages = advantages / ((((r - mean) ** 2 * v).sum(1, keepdim=True) / n.clamp(min=1)).sqrt() + eps)
-    return (advantages * v * (n >= 2)).view(-1)
-
-
-def overlong_penalty(lengths, max_tokens, buffer):
-    """
-    DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward of completions of `lengths` (N,):
-
-        0                                      if |y| <= max_tokens - buffer
-        ((max_tokens - buffer) - |y|) / buffer if max_tokens - buffer < |y| <= max_tokens   (down to -1 at the limit)
-
-    so running into the limit is discouraged smoothly instead of by a cliff. Returns (N,) float.
-    """
-    if not 0 < buffer <= max_tokens:
-        raise ValueError(f"the overlong buffer must be in (0, max_tokens={max_tokens}], got {buffer}")
-    return (((max_tokens - buffer) - lengths.float()) / buffer).clamp(-1.0, 0.0)
-
-
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-def aggregate(values, mask, agg, max_len=None, count=None):
-    """
-    Reduce per-token values (B, T) over the tokens where mask (B, T) is 1 (verl's loss_agg_mode names):
-
-        token-mean               sum_{i,t} m v / N_tokens                     (DAPO: every token weighs the same)
-        seq-mean-token-mean      sum_i [sum_t m v / sum_t m] / N_seqs         (GRPO: the mean of sequence means)
-        seq-mean-token-sum-norm  sum_i [sum_t m v / max_len] / N_seqs         (Dr. GRPO: a constant length normaliser)
-
-    N_tokens (valid tokens) or N_seqs (sequences with at least one valid token) is `count`, default this batch's own.
-    Pass the count of the whole optimizer batch when it is split into micro-batches and across ranks: the
-    gradients then sum (over micro-batches, and over ranks with a SUM all-reduce) to those of the whole batch.
-    """
-    mask = mask.float()
-    if agg == "token-mean":
-        total = (values * mask).sum()
-        return total / max(float(mask.sum()) if count is None else count, 1.0)
-    if agg == "seq-mean-token-mean":
-        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
-    elif agg == "seq-mean-token-sum-norm":
-        if max_len is None:
-            raise ValueError("seq-mean-token-sum-norm needs max_len (the generation budget, --max-tokens)")
-        per_seq = (values * mask).sum(-1) / max_len  # (B,)
-    else:
-        raise ValueError(f"unknown aggregation {agg!r}; expected one of {AGGREGATIONS}")
-    return per_seq.sum() / max(float((mask.sum(-1) > 0).sum()) if count is None else count, 1.0)
-
-
-LOSS_KINDS = ("pg", "ppo", "gspo", "cispo")
-# Each loss kind's defaults from its paper, used for --eps-low / --eps-high / --loss-agg when the flag is not given:
-#   pg, ppo  eps 0.2 (PPO, Schulman et al. 2017) / 0.28 (clip-higher, DAPO, Yu et al. 2025), token-mean (DAPO).
-#   gspo     eps 3e-4 / 4e-4 (the bounds of the GSPO experiments, Zheng et al. 2025) and seq-mean-token-mean: its
-#            objective is the mean over the G sequences of each one's clipped term; token-mean would weigh each
-#            sequence by its length.
-#   cispo    no lower bound on the importance weight, eps_low = 1 so 1 - eps_low = 0 (MiniMax-M1, 2025, sec. 3.1:
-#            "we did not impose a lower bound ... we only tuned eps_high"; 0.28 is DAPO's), and the token-level
-#            average 1 / sum_i |o_i| of its eq. 4.
-LOSS_DEFAULTS = {
-    "pg": dict(eps_low=0.2, eps_high=0.28, loss_agg="token-mean"),
-    "ppo": dict(eps_low=0.2, eps_high=0.28, loss_agg="token-mean"),
-    "gspo": dict(eps_low=3e-4, eps_high=4e-4, loss_agg="seq-mean-token-mean"),
-    "cispo": dict(eps_low=1.0, eps_high=0.28, loss_agg="token-mean"),
-}
-
-
-def policy_loss(logp, old_logp, advantages, mask, kind="ppo", eps_low=0.2, eps_high=0.28, agg="token-mean",
-                dual_clip=None, weights=None, max_len=None, count=None):
-    """
-    The policy-gradient loss of sampled tokens, to minimise. logp (B, T): log-probs of the sampled tokens under the
-    current policy (with gradient); old_logp (B, T): under the policy that sampled them, before this batch's
-    updates; advantages (B,) or (B, T); mask (B, T): 1 on tokens to train. With r_t = exp(logp_t - old_logp_t),
-    sg = stop-gradient and A the advantage, the per-token loss l_t is
-
-        pg     -A exp(logp_t - sg(logp_t))     value -A, gradient -A grad(logp_t): plain on-policy REINFORCE
-        ppo    max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high))        (PPO, Schulman et al. 2017; separate
-               bounds = clip-higher, DAPO). dual_clip c > 1 also caps the loss of A < 0 tokens at -c A (Ye et al.
-               2020), so a huge ratio on a bad token cannot dominate.
-        gspo   as ppo with the sequence ratio s = exp(mean_t (logp_t - old_logp_t)) on every token (Zheng et al. 2025):
-               a whole sequence is clipped or not; use small bounds (the paper: 3e-4 / 4e-4).
-        cispo  -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A logp_t    (MiniMax-M1, 2025): the importance weight is
-               clipped and detached, so a clipped token keeps its gradient instead of losing it as in ppo.
-               (The paper bounds the weight from above only: eps_low = 1.)
-
-    Every log-ratio (the token's, and gspo's sequence mean) is clamped to +-LOG_RATIO_CLAMP before exp(), so
-    extreme log-probs give a finite loss and finite gradients (beyond the clamp the token gets no gradient).
-    `weights` (B, T), detached, multiply l_t (the engine/trainer mismatch correction, mismatch_weights). The loss
-    is aggregate(l, mask, agg, max_len, count). Returns (loss, stats) with stats floats: clip_low / clip_high, the
-    fraction of valid tokens whose ratio was cut at the lower / upper bound (for ppo/gspo: where the clipped side
-    is active, i.e. the token gets no gradient; clip_high includes the dual-clip region A < 0, r_t > c), and
-    ratio_min / ratio_mean / ratio_max over valid tokens.
-    """
-    if kind not in LOSS_KINDS:
-        raise ValueError(f"unknown policy loss kind {kind!r}; expected one of {LOSS_KINDS}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be > 1 (it caps -c A where the ratio exceeds c), got {dual_clip}")
-    mask = mask.float()
-    valid = mask > 0
-    advantages = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    log_ratio = (logp - old_logp) * mask  # (B, T), 0 on padding
-    if kind == "gspo":
-        seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
-        log_ratio = seq_log_ratio[:, None].expand_as(logp)
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T)
-    lower, upper = 1 - eps_low, 1 + eps_high
-    if kind == "pg":
-        token_loss = -advantages * (logp - logp.detach()).exp()
-        cut_low = cut_high = torch.zeros_like(valid)
-    elif kind == "cispo":
-        token_loss = -advantages * ratio.clamp(lower, upper).detach() * logp
-        cut_low, cut_high = ratio < lower, ratio > upper
-    else:  # ppo, gspo
-        token_loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(lower, upper))
-        cut_low, cut_high = (advantages < 0) & (ratio < lower), (advantages > 0) & (ratio > upper)
-        if dual_clip is not None:
-            token_loss = torch.where(advantages < 0, torch.minimum(token_loss, -advantages * dual_clip), token_loss)
-            cut_high = cut_high | ((advantages < 0) & (ratio > dual_clip))  # the loss is the constant -c A there
-    if weights is not None:
-        token_loss = token_loss * weights
-    loss = aggregate(token_loss, mask, agg, max_len=max_len, count=count)
-    num_valid = max(int(valid.sum()), 1)
-    ratio = ratio.detach()
-    stats = {"clip_low": float((cut_low & valid).sum()) / num_valid,
-             "clip_high": float((cut_high & valid).sum()) / num_valid,
-             "ratio_min": float(ratio.masked_fill(~valid, math.inf).min()),
-             "ratio_mean": float((ratio * mask).sum()) / num_valid,
-             "ratio_max": float(ratio.masked_fill(~valid, -math.inf).max())}
-    return loss, stats
-
-
-KL_KINDS = ("k1", "k2", "k3")
-
-
-def kl_penalty(logp, ref_logp, kind="k2"):
-    """
-    Per-token estimates of KL(pi || pi_ref) from tokens sampled from pi (Schulman 2020, "Approximating KL
-    divergence"), with d = logp - ref_logp = log pi / pi_ref:
-
-        k1 = d                      unbiased value, high variance, can be negative. As a loss it teaches nothing:
-                                    its gradient grad(logp) has expectation sum_y grad pi(y) = 0 under pi
-        k2 = d^2 / 2                biased value; as a loss its gradient d grad(logp) equals, in expectation over
-                                    the next token y ~ pi(. | prefix), the gradient of KL(pi(. | prefix) || pi_ref(. |
-                                    prefix)) for that fixed prefix. It leaves out how changing pi changes which
-                                    prefixes are sampled, so it is the per-token KL's gradient, not the sequence KL's
-        k3 = exp(-d) - 1 + d        unbiased value, always >= 0 (GRPO's choice); its gradient (1 - exp(-d)) grad(logp)
-                                    is not the gradient of KL(pi || pi_ref)
-
-    The default is k2 because the penalty is used as a loss: it is its gradient that must be right. The learner scores
-    both logp and ref_logp on the untruncated temperature-scaled distributions (no top-k/top-p cut, see
-    reference_sampling): against a truncated reference a token outside its support would get ref_logp = LOGP_FLOOR
-    and k2 ~ 5e3. Returns (B, T).
-    """
-    d = logp - ref_logp
-    if kind == "k1":
-        return d
-    if kind == "k2":
-        return 0.5 * d.square()
-    if kind == "k3":
-        return torch.exp(-d) - 1 + d
-    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
-
-
-def mismatch_weights(trainer_logp, engine_logp, mode="tis", cap=2.0, window=(0.5, 2.0)):
-    """
-    Per-token weights (B, T) that correct for the sampler not being the learner: the engine sampled with
-    engine_logp, but the loss assumes the trainer's own log-probs trainer_logp at the same weights. With
-    rho_t = exp(trainer_logp_t - engine_logp_t):
-
-        none   w_t = 1
-        tis    w_t = min(rho_t, cap)                   truncated importance sampling (Yao et al. 2025)
-        mask   w_t = 1 if low <= rho_t <= high else 0  tokens the two disagree on are dropped (IcePop / MIS)
-
-    log rho_t is clamped to +-LOG_RATIO_CLAMP first, so the weights are finite. Returns detached weights.
-    """
-    rho = (trainer_logp - engine_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    if mode == "none":
-        return torch.ones_like(rho)
-    if mode == "tis":
-        return rho.clamp(max=cap)
-    if mode == "mask":
-        low, high = window
-        return ((rho >= low) & (rho <= high)).float()
-    raise ValueError(f"unknown mismatch correction {mode!r}; expected none, tis or mask")
+# Cross-rank moments (of advantages to whiten, of reward-model scores to normalise: objectives.py)
 
 
 def global_moments(pairs, device):
@@ -304,27 +84,6 @@ def global_moments(pairs, device):
     n, total, squares = sums.tolist()
     mean = total / max(n, 1.0)
     return n, mean, max(squares / max(n, 1.0) - mean * mean, 0.0)
-
-
-def whiten(values, mask, moments, eps=1e-8):
-    """
-    PPO's advantage whitening (OpenAI baselines ppo2; Ziegler et al. 2019): (x - mean) / (std + eps) where mask is
-    1, 0 elsewhere; moments = global_moments(...) of the whole batch over every rank (n, mean, var).
-    """
-    _, mean, var = moments
-    return (values - mean) / (math.sqrt(var) + eps) * (mask > 0)
-
-
-def normalize_scores(scores, eps=1e-6):
-    """
-    Per-batch normalisation of reward-model scores (N,): z = (s - mean(s)) / (std(s) + eps), population std, over
-    the step's completions of every rank (global_moments: the z-scores do not depend on the number of processes).
-    A reward model's scale and offset are arbitrary (only differences are trained); fixing them per batch keeps
-    the KL coefficient and the critic's targets on one scale. (GRPO's std-scaled group advantages are unchanged by
-    it; the KL term's weight relative to the reward is not.)
-    """
-    _, mean, var = global_moments([(scores, torch.ones_like(scores))], scores.device)
-    return ((scores - mean) / (math.sqrt(var) + eps)).to(scores.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -432,76 +191,6 @@ def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, se
         if len(groups) == num_groups:
             break
     return groups, stats
-
-
-def _rollout_worker(ckpt, device, num_threads, task, sample_kwargs, jobs, results):
-    """The rollout process: its own copy of the model; one job = one step's groups with the weights it was sent."""
-    torch.set_num_threads(num_threads)
-    model, tokenizer, _ = load_model(ckpt, device)
-    engine = Engine(model, tokenizer)
-    while (job := jobs.get()) is not None:
-        step, version, state, seed = job
-        model.load_state_dict(state)
-        records = []  # (source, kept) of every scored group: the learner's per-source accounting
-        t0 = time.time()
-        with autocast_ctx(device):
-            groups, stats = sample_groups(engine, task, seed=seed, **sample_kwargs,
-                                          on_group=lambda c, rewards, errors, kept: records.append((c["source"], kept)))
-        for group in groups:
-            group["version"] = version
-        results.put((step, version, groups, stats, records, time.time() - t0))
-
-
-class RolloutWorker:
-    """
-    Overlapped rollouts (--async; AReaL, Fu et al. 2025; verl's one-step off-policy mode): a separate process with
-    its own copy of the model generates the groups of a step while the learner updates on the previous ones.
-    submit(step, version, weights, seed) sends a state dict of the policy (version: the number of updates behind
-    it) and asks for step's groups; `pending` keeps the last job's {"version", "weights"}, what a checkpoint stores
-    so that a resumed run asks for its first step with the same weights as the uninterrupted run; result() waits
-    for the next batch. Every group records the version that sampled it (all its completions share it) and its
-    completions the behavior log-probs of that version, so the learner's mismatch correction (mismatch_weights:
-    pi_learner / pi_behavior, truncated) covers the staleness as it covers the engine/trainer gap. With delay 1 the
-    loop submits step k + 1 with the weights of step k before it updates on step k; with delay 0 after the update:
-    the same batches as the synchronous loop, only in another process.
-    """
-
-    def __init__(self, ckpt, device, task, sample_kwargs):
-        context = torch.multiprocessing.get_context("spawn")
-        self.jobs, self.results = context.Queue(), context.Queue()
-        self.process = context.Process(target=_rollout_worker, daemon=True,
-                                       args=(str(ckpt), str(device), torch.get_num_threads(), task, sample_kwargs,
-                                             self.jobs, self.results))
-        self.process.start()
-
-    def submit(self, step, version, weights, seed):
-        state = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
-        self.pending = {"version": version, "weights": state}
-        self.jobs.put((step, version, state, seed))
-
-    def result(self):
-        while True:
-            try:
-                return self.results.get(timeout=10)
-            except queue.Empty:
-                if not self.process.is_alive():
-                    raise RuntimeError(f"the rollout worker died (exit code {self.process.exitcode})") from None
-
-    def close(self):
-        self.jobs.put(None)
-        self.process.join(timeout=30)
-
-
-def fresh_groups(groups, sources, step, max_age):
-    """
-    The staleness bound of overlapped rollouts (AReaL, Fu et al. 2025: at most eta versions between sampler and
-    learner): (the groups sampled at most max_age updates before `step`, their entries of `sources`, how many were
-    dropped). A group's age is step - group["version"]; the truncated importance weight (mismatch_weights) corrects
-    a small sampler/learner gap, not an arbitrarily old policy.
-    """
-    fresh = [step - group["version"] <= max_age for group in groups]
-    return ([g for g, keep in zip(groups, fresh) if keep], [s for s, keep in zip(sources, fresh) if keep],
-            fresh.count(False))
 
 
 def self_generated_pairs(engine, task, indices, num_samples, max_tokens, temperature, seed, prompts_per_batch=64,
@@ -612,29 +301,31 @@ def preference_pairs(source, split, size, tokenizer, max_seq_len, engine=None, t
 # The learner's view of a rollout
 
 
-def learner_rows(groups, group_size, adv_scale, adv_baseline, mask_truncated, raw_rewards=False):
+def group_rewards(groups):
     """
-    One row per completion: (ids, mask, behavior_logprobs, advantage), ids = prompt + completion tokens exactly as
-    sampled, mask 0 on the prompt and on forced tool output (and on the whole completion if it hit max_tokens and
-    mask_truncated is set), behavior_logprobs the engine's log-prob of each token (0 on the prompt).
-    A completion the verifier failed on (group["errors"], optional) is dropped from training: mask 0, advantage 0,
-    and its group's baseline and std are those of the others (group_advantages' valid).
-    raw_rewards: the last element is the completion's reward instead (ppo.py turns it into per-token ones).
+    (rewards (N,), valid (N,) bool) of every completion of `groups`, in group order: the shaped rewards, and False
+    where the verifier failed (group["errors"], optional): an error has no reward, and is not a wrong answer.
     """
-    if not groups:
-        return []
     rewards = torch.tensor([r for g in groups for r in g["rewards"]])
     errors = [error for g in groups for error in g.get("errors", [False] * len(g["rewards"]))]
-    advantages = rewards.tolist() if raw_rewards else group_advantages(
-        rewards, group_size, scale=adv_scale, baseline=adv_baseline,
-        valid=~torch.tensor(errors, dtype=torch.bool)).tolist()
+    return rewards, ~torch.tensor(errors, dtype=torch.bool)
+
+
+def learner_rows(groups, values, mask_truncated):
+    """
+    One row per completion: (ids, mask, behavior_logprobs, value), ids = prompt + completion tokens exactly as
+    sampled, mask 0 on the prompt and on forced tool output (and on the whole completion if it hit max_tokens and
+    mask_truncated is set), behavior_logprobs the engine's log-prob of each token (0 on the prompt), value the
+    completion's entry of `values` (a list in group order: its group advantage, or its reward that ppo.py turns into
+    per-token ones). A completion the verifier failed on (group["errors"], optional) is not trained: mask 0.
+    """
+    errors = [error for g in groups for error in g.get("errors", [False] * len(g["rewards"]))]
     rows = []
-    for g, group in enumerate(groups):
-        for j, completion in enumerate(group["completions"]):
-            keep = not (mask_truncated and completion.finish == "length") and not errors[g * group_size + j]
-            mask = [0] * len(group["prompt"]) + [m * keep for m in completion.mask]
-            behavior = [0.0] * len(group["prompt"]) + completion.logprobs
-            rows.append((group["prompt"] + completion.tokens, mask, behavior, advantages[g * group_size + j]))
+    for group, completion in ((group, completion) for group in groups for completion in group["completions"]):
+        keep = not (mask_truncated and completion.finish == "length") and not errors[len(rows)]
+        mask = [0] * len(group["prompt"]) + [m * keep for m in completion.mask]
+        behavior = [0.0] * len(group["prompt"]) + completion.logprobs
+        rows.append((group["prompt"] + completion.tokens, mask, behavior, values[len(rows)]))
     return rows
 
 
@@ -743,13 +434,15 @@ def reduce_tally(tally, device):
 
 
 # -----------------------------------------------------------------------------
-# Prompts: task mixtures with per-source accounting, decontamination, difficulty filtering; PTGS
+# Prompts: task mixtures with per-source accounting, decontamination
 
 
 def parse_task_mixture(spec):
     """
     '--task' as [(name, weight)]: 'synthetic' -> [('synthetic', 1.0)]; 'synthetic:1,gsm8k:2' -> two sources,
-    weights relative. Raises ValueError on an unknown name, a repeated one or a weight that is not > 0.
+    weights relative. A name is a task of tasks.TASKS that RL can train on (a generative task, with its verifier, or
+    prompts for a reward model; a multiple-choice task has no verifier of sampled answers). Raises ValueError on an
+    unknown name, a repeated one or a weight that is not > 0.
     """
     sources = []
     for part in spec.split(","):
@@ -758,9 +451,10 @@ def parse_task_mixture(spec):
             weight = float(weight) if weight else 1.0
         except ValueError:
             raise ValueError(f"--task {spec!r}: weight {weight!r} of {name!r} is not a number") from None
-        if name not in ("synthetic", "gsm8k", "ultrafeedback"):
-            raise ValueError(f"--task {spec!r}: unknown task {name!r}; expected synthetic, gsm8k or ultrafeedback "
-                             "(name:weight, ...)")
+        trainable = registered_tasks("generative", "prompts")
+        if name not in trainable:
+            raise ValueError(f"--task {spec!r}: {name!r} is not a task RL can train on; expected one of "
+                             f"{', '.join(trainable)} (tasks.TASKS; name:weight, ...)")
         if not weight > 0 or name in dict(sources):
             raise ValueError(f"--task {spec!r}: each task once, with a weight > 0 (got {name!r}: {weight})")
         sources.append((name, weight))
@@ -772,88 +466,6 @@ def decontaminate_prompts(mixture, index):
     dirty = [index.contaminated(mixture[k]) for k in range(len(mixture))]
     dropped = {name: sum(d and mixture.rows[k][0] == name for k, d in enumerate(dirty)) for name in mixture.tasks}
     return mixture.keep([k for k, d in enumerate(dirty) if not d]), dropped
-
-
-def difficulty_keep(successes, n, low, high):
-    """
-    The difficulty filter's rule: keep a prompt whose success rate c / n over n samples lies strictly inside
-    (low, high). A prompt the start model always or never solves gives every group zero contrast, so no gradient.
-    successes: counts per prompt. Returns a list of bools.
-    """
-    if not 0 <= low < high <= 1:
-        raise ValueError(f"--difficulty-filter needs 0 <= LOW < HIGH <= 1, got {low} {high}")
-    return [low < c / n < high for c in successes]
-
-
-def difficulty_filter(engine, mixture, n, low, high, max_tokens, sampling, seed, cache):
-    """
-    Sample n answers to every prompt of the mixture with the starting checkpoint and keep those with
-    difficulty_keep. Prints the histogram of success counts and the kept count. The counts are cached in `cache`
-    (a json file in the checkpoint, named by difficulty_cache_key) and reused when it exists.
-    Returns (the kept mixture, the success counts).
-    """
-    if cache.exists():
-        successes = json.loads(cache.read_text())["successes"]
-        print0(f"difficulty filter: success counts of {len(successes)} prompts from {cache}")
-    else:
-        result = evaluate_generative(engine, mixture, list(range(len(mixture))), num_samples=n, ks=(1,),
-                                     max_tokens=max_tokens, seed=seed, label="difficulty filter", **sampling)
-        successes = result["correct"].tolist()
-        if get_dist_info()[1] == 0:
-            cache.write_text(json.dumps({"successes": successes}))
-    if len(successes) != len(mixture):
-        raise ValueError(f"{cache} holds {len(successes)} counts for {len(mixture)} prompts; delete it")
-    keep = difficulty_keep(successes, n, low, high)
-    histogram = Counter(successes)
-    print0("difficulty filter: successes out of {n}: ".format(n=n)
-           + " ".join(f"{c}:{histogram[c]}" for c in range(n + 1)))
-    print0(f"difficulty filter: kept {sum(keep)} of {len(mixture)} prompts with success rate in ({low}, {high})")
-    return mixture.keep([k for k, kept in enumerate(keep) if kept]), successes
-
-
-class TemperatureController:
-    """
-    PTGS, per-task exploration temperature. For each recurring task id it keeps discounted success and failure
-    counts, updated from a group's outcomes as  s <- gamma s + successes,  f <- gamma f + failures  (gamma = 1: plain
-    counts; 0: only the last group). Before a group is generated it draws p ~ Beta(a + s, b + f), with the prior
-    a = k q, b = k (1 - q) centred on the target success rate q (k = prior_strength), and maps the draw to
-
-        T = T_ref * tau ** ((q - p) / q)          if p <= q   (a hard task: up to T_ref * tau, explore more)
-        T = T_ref * tau ** ((q - p) / (1 - q))    if p > q    (an easy task: down to T_ref / tau, sharpen)
-
-    so T = T_ref at p = q. With q = 0.5, tau = 1.5, T_ref = 1 the draws 0.1, 0.5, 0.9 give 1.5^0.8 = 1.383,
-    1.000 and 1.5^-0.8 = 0.723. The state (counts and the RNG) goes into the checkpoint. Under several ranks
-    (Rollouts) every rank applies every rank's outcomes of a step, so the counts are the same on all of them, and
-    each rank reseeds the RNG per step from (seed, step, rank): rank 0's saved counts restore every rank.
-    """
-
-    def __init__(self, target=0.5, tau=1.5, t_ref=1.0, gamma=0.9, prior_strength=2.0, seed=0):
-        if not 0 < target < 1 or not tau >= 1 or not t_ref > 0 or not 0 <= gamma <= 1 or not prior_strength > 0:
-            raise ValueError(f"PTGS needs 0 < q < 1, tau >= 1, T_ref > 0, 0 <= gamma <= 1, prior > 0; got q {target}, "
-                             f"tau {tau}, T_ref {t_ref}, gamma {gamma}, prior {prior_strength}")
-        self.target, self.tau, self.t_ref, self.gamma, self.prior_strength = target, tau, t_ref, gamma, prior_strength
-        self.counts = {}  # task id -> [s, f]
-        self.rng = random.Random(seed)
-
-    def temperature(self, p):
-        q = self.target
-        return self.t_ref * self.tau ** ((q - p) / (q if p <= q else 1 - q))
-
-    def draw(self, task_id):
-        s, f = self.counts.get(task_id, (0.0, 0.0))
-        a, b = self.prior_strength * self.target, self.prior_strength * (1 - self.target)
-        return self.temperature(self.rng.betavariate(a + s, b + f))
-
-    def update(self, task_id, successes, failures):
-        s, f = self.counts.get(task_id, (0.0, 0.0))
-        self.counts[task_id] = [self.gamma * s + successes, self.gamma * f + failures]
-
-    def state_dict(self):
-        """The counts only: the RNG is reseeded every step from (seed, step, rank), so a resume redraws the same."""
-        return {"counts": self.counts}
-
-    def load_state_dict(self, state):
-        self.counts = {k: list(v) for k, v in state["counts"].items()}
 
 
 SOURCE_FIELDS = ("groups_dispatched", "groups_kept", "valid_tokens", "loss_mass")
@@ -883,13 +495,81 @@ def account_sources(tally, micros):
 # The two RL stages' shared flags, and the entry points that keep the systems glue out of their main()
 
 
-def add_flags(parser):
-    """The flags rl.py and ppo.py share: data and rollouts, the reward, the policy loss and KL, optimization, eval."""
-    add = parser.add_argument
-    # data and rollouts
-    add("--task", help="training prompts and verifier: synthetic, gsm8k, ultrafeedback (prompts with no verifier, for "
-                       "--reward rm), or a weighted mixture 'synthetic:1,gsm8k:1' (weights are shares of the prompts; "
-                       "logs count each source apart); held-out splits evaluated")
+def add_flags(parser, run):
+    """
+    The flags rl.py and ppo.py share, in titled groups after `run` (add_stage_flags' "run and checkpoint" group):
+    data and sizes; the recipe, the default recipe's flags first and the variants after; the reward; the opt-in
+    systems. Returns {"data", "recipe", "reward", "systems"}: the groups a stage adds its own flags to.
+    """
+    run.add_argument("--save-every", type=int, help="checkpoint every N steps, for --resume (0: only the final one)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="build the model, optimizers and data, print the plan (rl.py: its budget) and stop")
+    groups = {name: parser.add_argument_group(title) for name, title in (
+        ("data", "data and sizes"), ("recipe", "recipe: loss, advantages, sampling, mismatch, KL, optimization"),
+        ("reward", "reward"), ("systems", "opt-in systems (off by default)"))}
+    add = groups["data"].add_argument
+    add("--task", help="training prompts and verifier: a name of tasks.TASKS (synthetic, gsm8k, ultrafeedback: "
+                       "prompts with no verifier, for --reward rm, ...) or a weighted mixture 'synthetic:1,gsm8k:1' "
+                       "(weights are shares of the prompts; logs count each source apart); held-out splits evaluated")
+    add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
+    add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
+    add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
+    add("--group-size", type=int, help="completions sampled per prompt (G)")
+    add("--max-tokens", type=int, help="generation budget per completion, forced tool output included")
+    add("--device-batch-tokens", type=int, help="padded positions (sequences x longest) per forward/backward; at "
+        "least the longest prompt + --max-tokens (tiny 8,192: 64 sequences of <= 128 tokens; full 16,384: "
+        "16 sequences of a ~500-token prompt and a 512-token answer)")
+    add("--eval-every", type=int,
+        help="held-out evaluation every N steps, and at the start and the end (0: only at the start and the end)")
+    add("--eval-problems", type=int, help="held-out problems evaluated")
+    add("--eval-samples", type=int, help="samples per held-out problem: pass@1 and pass@N")
+    add("--eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
+    add = groups["recipe"].add_argument
+    add("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see objectives.policy_loss)")
+    add("--eps-low", type=float, default=None,
+        help="lower clip: ratio >= 1 - eps_low (default per --loss, see LOSS_DEFAULTS: ppo 0.2, gspo 3e-4, cispo 1)")
+    add("--eps-high", type=float, default=None,
+        help="upper clip: ratio <= 1 + eps_high (default per --loss: ppo 0.28 clip-higher, gspo 4e-4, cispo 0.28)")
+    add("--loss-agg", choices=AGGREGATIONS, default=None,
+        help="how token losses are averaged (default per --loss: token-mean, gspo seq-mean-token-mean)")
+    add("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
+        help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
+    add("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
+    add("--oversample", type=float,
+        help="prompts per sampling round = oversample x the groups needed, all in one generate call; the first "
+             "groups with contrast are kept (e.g. 2-3 when most groups have none; 1: off; preset tiny 1, small and "
+             "full 2)")
+    add("--mismatch", choices=["none", "tis", "mask"], default="tis",
+        help="engine/trainer log-prob mismatch correction (see objectives.mismatch_weights)")
+    add("--tis-cap", type=float, default=2.0, help="truncation of the importance weight (--mismatch tis)")
+    add("--temperature", type=float, default=1.0, help="sampling temperature; the learner scores at the same one")
+    add("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
+    add("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
+    add("--lr-frac", type=float, help="learning rates as a fraction of pretraining's (Muon + AdamW)")
+    add("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
+    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    add("--kl-coef", type=float, default=None,
+        help="KL(pi || pi_ref) penalty weight, on the untruncated temperature-scaled distributions even with "
+             "--top-k/--top-p (reference_sampling); 0 loads no reference model (default: 0, or 0.05 with --reward rm: "
+             "a learned reward can be exploited, a verifier cannot)")
+    add("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see objectives.kl_penalty)")
+    add("--dual-clip", type=float, default=None,
+        help="cap the loss of negative-advantage tokens at -c A, c > 1 (e.g. 3; ppo and gspo)")
+    add("--mask-window", type=float, nargs=2, default=(0.5, 2.0), metavar=("LOW", "HIGH"),
+        help="drop tokens whose trainer/engine probability ratio leaves [LOW, HIGH] (--mismatch mask)")
+    add("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
+    add("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1, no cut)")
+    add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
+    add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
+    add = groups["reward"].add_argument
+    add("--reward", choices=["verifier", "rm", "judge"], default="verifier",
+        help="verifier: the task's exact check; rm: the --rm-ckpt reward model's score of each completion, normalised "
+             "per batch (objectives.normalize_scores); judge: the --judge-url LM judge's score / max_score (0 for a "
+             "broken hard rule; judge.py); with rm or judge the verifier only measures (reward/accuracy, held-out "
+             "pass@1)")
+    add("--rm-ckpt", default=None, help="reward model checkpoint of rm.py (--reward rm)")
+    add_judge_flags(groups["reward"])
+    add = groups["systems"].add_argument
     add("--decontaminate", action=argparse.BooleanOptionalAction, default=None,
         help="drop training prompts that overlap an evaluation set in use or the held-out problems "
              "(tasks.decontamination_index: 13-grams, whole short questions); default on for full, off for tiny "
@@ -913,67 +593,7 @@ def add_flags(parser):
     add("--max-policy-age", type=int, default=1,
         help="under --async, groups sampled more than this many updates before the learner's step are dropped and "
              "counted (rollout/stale_groups); at least --async-delay")
-    add("--train-size", type=int, help="training problems drawn from (default: tiny 5000, full all of GSM8K)")
-    add("--num-steps", type=int, help="optimizer batches (rollout + update rounds)")
-    add("--prompts-per-step", type=int, help="groups per step over all ranks (divisible by the world size)")
-    add("--group-size", type=int, help="completions sampled per prompt (G)")
-    add("--max-tokens", type=int, help="generation budget per completion, forced tool output included")
-    add("--temperature", type=float, default=1.0, help="sampling temperature; the learner scores at the same one")
-    add("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
-    add("--top-p", type=float, default=None, help="nucleus sampling mass (default: 1, no cut)")
-    add("--filter-zero-contrast", action=argparse.BooleanOptionalAction, default=True,
-        help="dynamic sampling (DAPO): drop groups whose rewards are all equal and sample more")
-    add("--max-sampling-rounds", type=int, default=4, help="cap on generate calls per step under dynamic sampling")
-    add("--oversample", type=float,
-        help="prompts per sampling round = oversample x the groups needed, all in one generate call; the first "
-             "groups with contrast are kept (e.g. 2-3 when most groups have none; 1: off; preset tiny 1, small and "
-             "full 2)")
-    add("--mask-truncated", action="store_true", help="exclude completions that hit --max-tokens from the loss")
-    add("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens (0: off)")
-    add("--reward", choices=["verifier", "rm", "judge"], default="verifier",
-        help="verifier: the task's exact check; rm: the --rm-ckpt reward model's score of each completion, normalised "
-             "per batch (normalize_scores); judge: the --judge-url LM judge's score / max_score (0 for a broken hard "
-             "rule; judge.py); with rm or judge the verifier only measures (reward/accuracy, held-out pass@1)")
-    add("--rm-ckpt", default=None, help="reward model checkpoint of rm.py (--reward rm)")
-    add_judge_flags(parser)
-    # the policy loss
-    add("--loss", choices=LOSS_KINDS, default="ppo", help="policy loss kind (see policy_loss)")
-    add("--eps-low", type=float, default=None,
-        help="lower clip: ratio >= 1 - eps_low (default per --loss, see LOSS_DEFAULTS: ppo 0.2, gspo 3e-4, cispo 1)")
-    add("--eps-high", type=float, default=None,
-        help="upper clip: ratio <= 1 + eps_high (default per --loss: ppo 0.28 clip-higher, gspo 4e-4, cispo 0.28)")
-    add("--dual-clip", type=float, default=None,
-        help="cap the loss of negative-advantage tokens at -c A, c > 1 (e.g. 3; ppo and gspo)")
-    add("--loss-agg", choices=AGGREGATIONS, default=None,
-        help="how token losses are averaged (default per --loss: token-mean, gspo seq-mean-token-mean)")
-    add("--kl-coef", type=float, default=None,
-        help="KL(pi || pi_ref) penalty weight, on the untruncated temperature-scaled distributions even with "
-             "--top-k/--top-p (reference_sampling); 0 loads no reference model (default: 0, or 0.05 with --reward rm: "
-             "a learned reward can be exploited, a verifier cannot)")
-    add("--kl-kind", choices=KL_KINDS, default="k2", help="KL estimator (see kl_penalty)")
-    add("--mismatch", choices=["none", "tis", "mask"], default="tis",
-        help="engine/trainer log-prob mismatch correction (see mismatch_weights)")
-    add("--tis-cap", type=float, default=2.0, help="truncation of the importance weight (--mismatch tis)")
-    add("--mask-window", type=float, nargs=2, default=(0.5, 2.0), metavar=("LOW", "HIGH"),
-        help="drop tokens whose trainer/engine probability ratio leaves [LOW, HIGH] (--mismatch mask)")
-    # optimization
-    add("--epochs", type=int, default=1, help="optimizer passes over each rollout batch")
-    add("--minibatches", type=int, default=1, help="optimizer steps per pass (the batch is split by groups)")
-    add("--device-batch-tokens", type=int, help="padded positions (sequences x longest) per forward/backward; at "
-        "least the longest prompt + --max-tokens (tiny 8,192: 64 sequences of <= 128 tokens; full 16,384: "
-        "16 sequences of a ~500-token prompt and a 512-token answer)")
-    add("--lr-frac", type=float, help="learning rates as a fraction of pretraining's (Muon + AdamW)")
-    add("--warmup-steps", type=int, help="linear learning-rate warmup, then constant")
-    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
-    # evaluation and saving
-    add("--eval-every", type=int,
-        help="held-out evaluation every N steps, and at the start and the end (0: only at the start and the end)")
-    add("--eval-problems", type=int, help="held-out problems evaluated")
-    add("--eval-samples", type=int, help="samples per held-out problem: pass@1 and pass@N")
-    add("--eval-temperature", type=float, default=1.0, help="held-out sampling temperature")
-    add("--save-every", type=int, help="checkpoint every N steps, for --resume (0: only the final checkpoint)")
-    add("--dry-run", action="store_true",
-        help="build the model, optimizers and data, print the plan (rl.py: its budget) and stop")
+    return groups
 
 
 # Every numeric flag of the RL stages and the values it accepts: (test, what the error says it must be). A value
@@ -1014,9 +634,7 @@ def check_numeric_flags(parser, args, rules):
 def finish_args(parser, args):
     """Fill the preset's and the loss kind's defaults, then refuse the values and combinations that cannot run."""
     args.fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    fill_preset(args, PRESETS[args.preset])
     filled = {key: value for key, value in LOSS_DEFAULTS[args.loss].items() if getattr(args, key) is None}
     for key, value in filled.items():
         setattr(args, key, value)
@@ -1106,164 +724,19 @@ def prepare_prompts(args, world_size, judge=None):
     return train_task, test_task, eval_indices, decontaminated
 
 
-def difficulty_cache_key(args, mixture, sampling):
+def learner_batches(groups, values, args, pad_id, device):
     """
-    The key of the difficulty filter's cached success counts: everything they depend on. The prompts themselves
-    (every row's messages, in order: whatever --task, --train-size, --decontaminate, --eval-problems or the preset
-    made of them), the samples per prompt, the token budget, the sampling, the seed, and what scores the answers
-    (the task's verifier, or the judge of --reward judge).
+    The groups split into --minibatches (by group), each as micro-batches of at most --device-batch-tokens padded
+    positions (sorted by length: less padding, same loss). values: one per completion in group order, what each row
+    carries (rl.py: its group advantage; ppo.py: its raw reward). PTGS rows carry their group's temperature; every
+    micro-batch names each row's source (micro["sources"]). Returns (minibatches, [real, padded] positions).
     """
-    digest = hashlib.sha256()
-    for k in range(len(mixture)):
-        digest.update(json.dumps(mixture[k]["messages"], sort_keys=True).encode())
-    scorer = (args.judge_url, args.judge_model, args.judge_rubric) if args.reward == "judge" else "verifier"
-    return mix_seed(digest.hexdigest(), args.difficulty_samples, args.max_tokens, sorted(sampling.items()), args.seed,
-                    scorer)
-
-
-def difficulty_prompts(args, engine, train_task, ckpt, resume, sampling):
-    """--difficulty-filter: the training prompts the start checkpoint neither always nor never solves (cached)."""
-    if not args.difficulty_filter:
-        return train_task
-    cache = resolve_checkpoint(ckpt) / f"difficulty_{difficulty_cache_key(args, train_task, sampling):016x}.json"
-    if resume and not cache.exists():
-        raise ValueError(f"--difficulty-filter on resume needs the start checkpoint's counts {cache}; rerun from "
-                         "the start checkpoint without --resume")
-    with autocast_ctx(next(engine.model.parameters()).device):
-        kept, _ = difficulty_filter(engine, train_task, args.difficulty_samples, *args.difficulty_filter,
-                                    args.max_tokens, sampling, mix_seed(args.seed, "difficulty"), cache)
-    if len(train_task.tasks) > 1:  # the filter keeps more of a source of the right difficulty: the shares move
-        print0(f"mixture after the difficulty filter: training prompts per source {kept.counts()}")
-    if len(kept) < args.prompts_per_step:
-        raise ValueError(f"the difficulty filter kept {len(kept)} prompts, fewer than --prompts-per-step "
-                         f"{args.prompts_per_step}; widen (LOW, HIGH) or add prompts")
-    return kept
-
-
-class Rollouts:
-    """
-    Each step's scored groups (next_groups), synchronous or from the overlapped RolloutWorker (--async), with
-    PTGS temperatures (--ptgs), the reward model's scores (--reward rm) and the per-source accounting.
-    worker_ckpt: the checkpoint the worker process builds its tokenizer and model from: the start checkpoint, or
-    --out on resume (its weights are replaced by each job's).
-    state: what state_dict() saved in the checkpoint resumed from (the PTGS counts; under --async the weights the
-    worker was asked to sample the next step with: one update older than the checkpoint's with --async-delay 1).
-    """
-
-    def __init__(self, args, engine, task, worker_ckpt, start_step, reward_model=None, state=None):
-        state = state or {}
-        _, rank, _, world_size = get_dist_info()
-        self.args, self.engine, self.task, self.reward_model = args, engine, task, reward_model
-        self.device = next(engine.model.parameters()).device
-        self.pad_id = engine.tokenizer.token_id("<|assistant_end|>")  # any id: padded positions have target -1
-        self.rank, self.ptgs = rank, None
-        if args.ptgs:  # one controller, the same on every rank: each step's outcomes are gathered from all ranks
-            self.ptgs = TemperatureController(args.ptgs_target, args.ptgs_tau, args.temperature, args.ptgs_gamma,
-                                              args.ptgs_prior)
-            if "ptgs" in state:
-                self.ptgs.load_state_dict(state["ptgs"])
-        self.sample_kwargs = dict(
-            num_groups=args.prompts_per_step // world_size, group_size=args.group_size, max_tokens=args.max_tokens,
-            sampling=dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
-            filter_zero_contrast=args.filter_zero_contrast and reward_model is None,
-            max_rounds=args.max_sampling_rounds, overlong_buffer=args.overlong_buffer, rank=rank,
-            world_size=world_size, oversample=args.oversample)
-        self.worker = None
-        if args.async_rollouts:
-            self.worker = RolloutWorker(worker_ckpt, self.device, task, self.sample_kwargs)
-            sampler = state.get("sampler", {"version": start_step, "weights": engine.model.state_dict()})
-            self.worker.submit(start_step, sampler["version"], sampler["weights"], mix_seed(args.seed, start_step))
-
-    def state_dict(self):
-        """What a checkpoint keeps so that a resumed run continues exactly: the PTGS counts (the same on every rank:
-        each step's outcomes are gathered from all) and the worker's pending job's version and weights."""
-        state = {}
-        if self.ptgs is not None:
-            state["ptgs"] = self.ptgs.state_dict()
-        if self.worker is not None:
-            state["sampler"] = self.worker.pending
-        return state
-
-    def next_groups(self, step):
-        """
-        (groups, tally, info) of this rank for `step`: the kept groups (sample_groups' layout; under --reward rm their
-        rewards are the reward model's normalised scores), the rollout's counts to reduce over ranks (sample_groups'
-        stats, per-source counters, rm_score_sum) and, under --async, {"rollout_s", "ages"}; under --async the groups
-        older than --max-policy-age are dropped (fresh_groups) and counted in the tally's "stale_groups".
-        """
-        args = self.args
-        by_source, kept_sources, outcomes = source_tally(self.task.tasks), [], []
-
-        def on_group(conversation, rewards, errors, kept):
-            name = conversation["source"]
-            by_source[f"source/{name}/groups_dispatched"] += 1
-            by_source[f"source/{name}/groups_kept"] += kept
-            if kept:
-                kept_sources.append(name)
-            if self.ptgs is not None:  # every scored group, before zero-contrast groups are dropped
-                valid = [r for r, error in zip(rewards, errors) if not error]
-                outcomes.append((conversation["task_id"], sum(r > 0 for r in valid), sum(r <= 0 for r in valid)))
-
-        info = {}
-        if self.worker is None:
-            temperature_of = None
-            if self.ptgs is not None:  # this rank's draws: a stream of its own per step, so a resume redraws them
-                self.ptgs.rng.seed(mix_seed(args.seed, "ptgs", step, self.rank))
-                temperature_of = lambda c: round(self.ptgs.draw(c["task_id"]), 2)  # noqa: E731
-            with autocast_ctx(self.device):
-                groups, rollout = sample_groups(self.engine, self.task, seed=mix_seed(args.seed, step),
-                                                **self.sample_kwargs, on_group=on_group, temperature_of=temperature_of)
-            if self.ptgs is not None:  # every rank's outcomes, in rank order: the posteriors see all the evidence
-                everyone = [outcomes]
-                if dist.is_initialized():
-                    everyone = [None] * dist.get_world_size()
-                    dist.all_gather_object(everyone, outcomes)
-                for task_id, successes, failures in (o for rank_outcomes in everyone for o in rank_outcomes):
-                    self.ptgs.update(task_id, successes, failures)
-        else:  # the batch the worker sampled with older weights; then, with delay 1, ask for the next one at once
-            _, version, groups, rollout, records, info["rollout_s"] = self.worker.result()
-            for source, kept in records:
-                on_group({"source": source}, [], [], kept)
-            info["ages"] = [step - group["version"] for group in groups] or [step - version]
-            groups, kept_sources, rollout["stale_groups"] = fresh_groups(groups, kept_sources, step,
-                                                                         args.max_policy_age)
-            if args.async_delay == 1 and step + 1 < args.num_steps:
-                self.worker.submit(step + 1, step, self.engine.model.state_dict(), mix_seed(args.seed, step + 1))
-        rm_score_sum = 0.0
-        if self.reward_model is not None:  # --reward rm: the reward model's normalised scores replace the verifier's
-            raw = reward_model_scores(self.reward_model, groups, self.pad_id, self.device,
-                                      args.device_batch_tokens)  # (N,)
-            rm_score_sum = float(raw.sum())
-            normalized = normalize_scores(raw).tolist()
-            for g, group in enumerate(groups):
-                group["rewards"] = normalized[g * args.group_size:(g + 1) * args.group_size]
-        for group, name in zip(groups, kept_sources):  # the learner counts each source's tokens (account_sources)
-            group["source"] = name
-        return groups, {**rollout, **by_source, "rm_score_sum": rm_score_sum}, info
-
-    def after_update(self, step):
-        """--async --async-delay 0: ask for step + 1's groups with the weights this step's update produced."""
-        if self.worker is not None and self.args.async_delay == 0 and step + 1 < self.args.num_steps:
-            self.worker.submit(step + 1, step + 1, self.engine.model.state_dict(), mix_seed(self.args.seed, step + 1))
-
-    def close(self):
-        if self.worker is not None:
-            self.worker.close()
-
-
-def learner_batches(groups, args, pad_id, device, adv=None):
-    """
-    Step 3 of both loops: the groups split into --minibatches (by group), each as micro-batches of at most
-    --device-batch-tokens padded positions (sorted by length: less padding, same loss). adv (scale, baseline): rows
-    carry group advantages; None: their raw rewards (ppo.py turns them into per-token rewards). PTGS rows carry
-    their group's temperature; every micro-batch names each row's source (micro["sources"]). Returns (minibatches,
-    [real, padded] positions).
-    """
-    minibatches, positions = [], [0, 0]
+    minibatches, positions, done = [], [0, 0], 0
     for m in range(args.minibatches):
         part = groups[m * len(groups) // args.minibatches:(m + 1) * len(groups) // args.minibatches]
-        scale, baseline = adv or (None, None)
-        rows = learner_rows(part, args.group_size, scale, baseline, args.mask_truncated, raw_rewards=adv is None)
+        size = sum(len(g["completions"]) for g in part)
+        rows = learner_rows(part, values[done:done + size], args.mask_truncated)
+        done += size
         if args.ptgs:  # each row carries its group's temperature (collate_rollouts)
             rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in part for _ in g["completions"]))]
         sources = [g["source"] for g in part for _ in g["completions"]]  # of each row (account_sources)

@@ -63,7 +63,7 @@ from model import (EMBEDDING_LR, LOGITS_CHUNK_TOKENS, MATRIX_LR, UNEMBEDDING_LR,
 from rollout import mix_seed, preference_pairs
 from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, SyntheticTask, TaskMixture, collate,
                    decontamination_index, prepare_rows, pretraining_batches, pretraining_texts,
-                   row_texts, task_by_name, token_budget_batches)
+                   registered_tasks, row_texts, task_by_name, token_budget_batches)
 
 # Defaults per preset; explicit flags win.
 # full (8xH100, plan(): ~6 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k
@@ -311,9 +311,7 @@ def rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, o
         num_steps = int(mine[2]) // rows_per_rank
         losses = []
         for step in range(num_steps):
-            for optimizer in optimizers:
-                for group in optimizer.param_groups:
-                    group["lr"] = group["initial_lr"] * (1.0 - step / num_steps)  # linear decay to 0 each round
+            common.set_lr(optimizers, 1.0 - step / num_steps)  # linear decay to 0 each round
             micro, _, _ = micro_batches_of(rows, step * rows_per_rank, rows_per_rank, args.device_batch_tokens,
                                            tokenizer.bos_id, replay_stream, args.replay_frac)
             losses.append(backward_sft_loss(train_model, micro, device)[0])
@@ -374,7 +372,7 @@ def main(argv=None):
                         "and stop before the first forward pass")
     parser.add_argument("--rft-rounds", type=int, default=0, help="rejection-sampling fine-tuning rounds (0: plain "
                         "SFT); --train-rows, --num-steps, --eval-every, --eval-rows and --save-every are SFT's only")
-    parser.add_argument("--rft-task", choices=("synthetic", "gsm8k"), default="synthetic",
+    parser.add_argument("--rft-task", choices=registered_tasks("generative"), default="synthetic",
                         help="verifiable task whose training problems are sampled and whose held-out ones measure")
     parser.add_argument("--rft-prompts", type=int, default=512, help="training problems sampled each round")
     parser.add_argument("--rft-samples", type=int, default=8, help="answers sampled per problem each round (k)")
@@ -391,9 +389,7 @@ def main(argv=None):
     if args.rft_rounds and args.lora_rank:
         parser.error("--lora-rank trains plain SFT's adapters; --rft-rounds fine-tunes every weight")
     fit_batch = args.device_batch_tokens is None  # on a GPU: the largest that fits, up to the preset's
-    for key, value in PRESETS[args.preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    common.fill_preset(args, PRESETS[args.preset])
     common.check_numbers(args, positive=["train_rows", "num_steps", "batch_size", "device_batch_tokens", "max_seq_len",
                                          "eval_every", "eval_rows", "check_problems", "check_samples",
                                          "max_new_tokens"],
@@ -491,8 +487,7 @@ def main(argv=None):
             lora.load_state_dict(extra["lora"])
         else:
             model.load_state_dict(state)
-        for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
-            optimizer.load_state_dict(optimizer_state)
+        common.load_optimizers(optimizers, extra["optimizers"])
         # Replay continues after the tokens rank 0 had read (other ranks' counts differ a little: near enough).
         start_step, replay_consumed = extra["step"], extra.get("replay_tokens", 0)
         print0(f"resuming from step {start_step}")
@@ -511,9 +506,7 @@ def main(argv=None):
     train_loss, t0, tokens_seen = float("nan"), time.time(), 0
     for step in range(start_step, num_steps):
         lr_multiplier = 1.0 - step / num_steps  # linear decay to 0
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * lr_multiplier
+        common.set_lr(optimizers, lr_multiplier)
         micro, padding, replay_rows = micro_batches_of(train_rows, step * rows_per_rank, rows_per_rank,
                                                        args.device_batch_tokens, tokenizer.bos_id, replay_stream,
                                                        args.replay_frac)

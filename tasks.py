@@ -712,22 +712,32 @@ class MultipleChoice:
 
 
 
+# The task registry: name -> (kind, factory(split, size, seed)), read by every --task, --rft-task and eval list and by
+# rl.py's mixtures. kind "generative": conversations with a verifier (SFT rejection sampling, RL, DPO/RM
+# self-generated pairs, eval pass@k / maj@k); "multiple-choice": eval accuracy (ARC, MMLU); "prompts": prompts without
+# a verifier, for RL from a reward model. size None: all (synthetic: 1000); seed only picks the synthetic family's
+# problems. Adding a task is one entry: TASKS["name"] = ("generative", lambda split, size, seed: MyTask(split, size)).
+TASKS = {
+    "synthetic": ("generative", lambda split, size, seed: SyntheticTask(split, size=size or 1000, seed=seed)),
+    "gsm8k": ("generative", lambda split, size, seed: GSM8K(split, size=size)),
+    "ultrafeedback": ("prompts", lambda split, size, seed: UltraFeedbackPrompts(
+        "train_prefs" if split == "train" else "test_prefs", size=size)),  # its splits: train_prefs / test_prefs
+    **{name: ("multiple-choice", lambda split, size, seed, name=name: MultipleChoice(name, split, size=size))
+       for name in MultipleChoice.SOURCES},
+}
+
+
+def registered_tasks(*kinds):
+    """The registered task names of the given kinds (tasks.TASKS), in registration order."""
+    return [name for name, (kind, _) in TASKS.items() if kind in kinds]
+
+
 def task_by_name(name, split, size=None, seed=0):
-    """
-    A verifiable (or multiple-choice) task by its flag name, `size` problems of `split` (None: all; synthetic: 1000);
-    seed only picks the synthetic family's problems. ultrafeedback: prompts without a verifier, for RL from a reward
-    model (its splits are train_prefs / test_prefs).
-    """
-    if name == "synthetic":
-        return SyntheticTask(split, size=size or 1000, seed=seed)
-    if name == "gsm8k":
-        return GSM8K(split, size=size)
-    if name == "ultrafeedback":
-        return UltraFeedbackPrompts("train_prefs" if split == "train" else "test_prefs", size=size)
-    if name in MultipleChoice.SOURCES:
-        return MultipleChoice(name, split, size=size)
-    raise ValueError(f"unknown task {name!r}; expected synthetic, gsm8k, ultrafeedback or one of "
-                     f"{sorted(MultipleChoice.SOURCES)}")
+    """`size` problems of `split` (None: all) of the task registered as `name` in TASKS."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)} (tasks.TASKS)")
+    _, factory = TASKS[name]
+    return factory(split, size, seed)
 
 # -----------------------------------------------------------------------------
 # Chat stages: synthetic preference pairs and task mixtures (sft.py, dpo.py)

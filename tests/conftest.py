@@ -191,6 +191,42 @@ def free_port():
 # Shared tiny building blocks (added by the eval tests; import the plain functions with `from conftest import ...`)
 
 
+def grpo_advantages(groups, group_size):
+    """The group advantages rl.py gives the completions of `groups` (GRPO: mean baseline, std scaling), as a list."""
+    import objectives
+    import rollout
+    rewards, valid = rollout.group_rewards(groups)
+    return objectives.group_advantages(rewards, group_size, valid=valid).tolist()
+
+
+class EvenLength:
+    """
+    The toy task of the tests: synthetic problems whose verifier accepts an answer of even length, so a random model
+    earns and misses it about half the time. Registered as "even-length" in tasks.TASKS by the even_length_task
+    fixture: the one line a new task needs.
+    """
+
+    def __init__(self, split, size=None, seed=0):
+        self.task = tasks.SyntheticTask(split, size=size or 64, seed=seed)
+
+    def __len__(self):
+        return len(self.task)
+
+    def __getitem__(self, i):
+        return self.task[i]
+
+    def reward(self, conversation, completion):
+        return float(len(completion) % 2 == 0)
+
+
+@pytest.fixture
+def even_length_task(monkeypatch):
+    """"even-length" (EvenLength) registered in tasks.TASKS for one test, removed after it."""
+    monkeypatch.setitem(tasks.TASKS, "even-length", ("generative", lambda split, size, seed: EvenLength(split, size,
+                                                                                                      seed)))
+    return "even-length"
+
+
 def make_tokenizer():
     """A real BPE tokenizer (vocab 400) trained on 300 synthetic documents: the chat-stage tests' vocabulary."""
     return Tokenizer.train(tasks.synthetic_documents(300, seed=0), vocab_size=400)

@@ -20,7 +20,7 @@ from common import save_checkpoint
 from conftest import make_model, make_tokenizer
 from engine import load_model
 from model import GPT, GPTConfig
-from rollout import collate_rollouts, learner_rows
+from rollout import collate_rollouts, group_rewards, learner_rows
 from tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def micro_batch(model, tokenizer):
     task = tasks.SyntheticTask("train", size=8)
     groups, _ = sample_groups(Engine(model, tokenizer), task, 2, 2, 12, dict(temperature=1.0, top_k=None, top_p=None),
                               seed=0, filter_zero_contrast=False, max_rounds=1)
-    rows = learner_rows(groups, 2, None, None, mask_truncated=False, raw_rewards=True)
+    rows = learner_rows(groups, group_rewards(groups)[0].tolist(), mask_truncated=False)
     return collate_rollouts(rows, tokenizer.token_id("<|assistant_end|>"), "cpu")
 
 
@@ -119,8 +119,8 @@ def test_forced_tool_output_is_not_trained(tokenizer):
     tokens = [5, 6, out_start, 7, out_end, 8]
     completion = Completion(tokens=tokens, mask=[1, 1, 0, 0, 0, 1], logprobs=[-1.0, -1.0, 0.0, 0.0, 0.0, -1.0],
                             finish="stop")
-    rows = learner_rows([{"prompt": [1, 2], "completions": [completion], "rewards": [0.0]}], 1, None, None,
-                        mask_truncated=False, raw_rewards=True)
+    rows = learner_rows([{"prompt": [1, 2], "completions": [completion], "rewards": [0.0]}], [0.0],
+                        mask_truncated=False)
     micro = collate_rollouts(rows, 0, "cpu")
     model = make_model(tokenizer).eval()
     teacher = make_model(tokenizer, seed=1).eval().requires_grad_(False)

@@ -12,7 +12,7 @@ import torch
 import common
 import pretrain
 import rollout
-from conftest import make_model, make_tokenizer
+from conftest import grpo_advantages, make_model, make_tokenizer
 from engine import Engine, KVCache
 from tasks import SyntheticTask
 from test_pretrain import SMALL, home, parquet_docs, tokenizer_dir  # noqa: F401 (fixtures)
@@ -74,7 +74,7 @@ def test_bf16_engine_learner_logprob_gap_is_bounded(model, tokenizer):
     with common.autocast_ctx("cuda"):
         results = Engine(model, tokenizer).generate(prompts, num_samples=4, max_tokens=24, seed=0, **sampling)
     groups = [{"prompt": p, "completions": c, "rewards": [0.0, 1.0, 0.0, 1.0]} for p, c in zip(prompts, results)]
-    batch = rollout.collate_rollouts(rollout.learner_rows(groups, 4, "std", "mean", mask_truncated=False), 0, "cuda")
+    batch = rollout.collate_rollouts(rollout.learner_rows(groups, grpo_advantages(groups, 4), mask_truncated=False), 0, "cuda")
     with torch.no_grad():
         logp, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], sampling)  # bf16 autocast inside
     gap = (logp - batch["behavior"]).abs() * batch["mask"]

@@ -120,17 +120,17 @@ PTGS_DRIVER = """
 import json, os, sys
 sys.path.insert(0, {repo!r})
 import rl
-import rollout
+import rl_systems
 controllers = []
 
 
-class Recorded(rollout.TemperatureController):  # each rank's controller, to compare with what the checkpoint keeps
+class Recorded(rl_systems.TemperatureController):  # each rank's controller, to compare with what the checkpoint keeps
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         controllers.append(self)
 
 
-rollout.TemperatureController = Recorded
+rl_systems.TemperatureController = Recorded
 rl.main(sys.argv[1:])
 with open(os.path.join({out!r}, "rank" + os.environ["RANK"] + ".json"), "w") as f:
     json.dump(controllers[-1].state_dict(), f)

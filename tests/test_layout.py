@@ -7,8 +7,11 @@ included):
     report           report.py                                  imports only shared modules
     libraries        eval.py                                    imports shared modules and report
                                                                 (its CLI re-renders the card)
-                     rollout.py (sampling and scoring groups,   imports shared modules and eval; eval never imports it
-                     the prompts, the learner's rows)
+                     objectives.py (the RL objective's math)    imports no project module
+                     rollout.py (sampling and scoring groups,   imports shared modules, eval and objectives; eval never
+                     the prompts, the learner's rows)           imports it
+                     rl_systems.py (PTGS, --async, the          imports shared modules, eval, objectives and rollout;
+                     difficulty filter, Rollouts)               rollout never imports it
     stage scripts    pretrain, sft, dpo, rl, ppo, rm, merge,    import shared modules and the libraries, never another
                      serve, export, distill                     stage
     driver           plan.py (speedrun's budget and preset)     imports shared modules, the libraries and the stages
@@ -25,14 +28,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = {"common", "model", "tokenizer", "tasks", "engine", "judge", "core"}
+LIBRARIES = {"eval", "objectives", "rollout", "rl_systems"}
 STAGES = {"pretrain", "sft", "dpo", "rl", "ppo", "rm", "merge", "serve", "export", "distill"}
 ALLOWED = {  # layer -> the project modules a module of that layer may import
     **{name: SHARED for name in SHARED},
     "report": SHARED,
     "eval": SHARED | {"report"},
-    "rollout": SHARED | {"eval"},
-    **{name: SHARED | {"eval", "rollout"} for name in STAGES},
-    "plan": SHARED | {"eval", "rollout"} | STAGES,
+    "objectives": set(),
+    "rollout": SHARED | {"eval", "objectives"},
+    "rl_systems": SHARED | {"eval", "objectives", "rollout"},
+    **{name: SHARED | LIBRARIES for name in STAGES},
+    "plan": SHARED | LIBRARIES | STAGES,
 }
 
 

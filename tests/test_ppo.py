@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+import objectives
 import ppo
 import rl
 import rollout
@@ -97,15 +98,13 @@ def test_value_loss_ignores_masked_tokens_and_uses_the_given_count():
     assert loss.item() == pytest.approx(0.5 * 1.0 / 4)
 
 
-def test_explained_variance_and_score_normalisation():
+def test_explained_variance():
     returns, ones = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.ones(4)
     assert ppo.explained_variance([(returns, returns, ones)], "cpu") == pytest.approx(1.0)
     assert ppo.explained_variance([(torch.full((4,), 2.5), returns, ones)], "cpu") == pytest.approx(0.0)
     # constant returns: undefined (the variance ratio would divide by ~0), not -1e7
     assert math.isnan(ppo.explained_variance([(torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.full((4,), 2.0), ones)],
                                              "cpu"))
-    z = rl.normalize_scores(torch.tensor([3.0, 5.0, 7.0, 9.0]))
-    close(z, torch.tensor([-3.0, -1.0, 1.0, 3.0]) / 5 ** 0.5)
 
 
 def test_whitening_uses_the_valid_tokens_of_every_micro_batch():
@@ -114,8 +113,13 @@ def test_whitening_uses_the_valid_tokens_of_every_micro_batch():
     ma, mb = torch.tensor([[1.0, 1.0, 0.0]]), torch.ones(1, 2)
     moments = rollout.global_moments([(a, ma), (b, mb)], "cpu")
     assert moments == pytest.approx((4, 2.0, 1.0))
-    close(rollout.whiten(a, ma, moments), [[-1.0, 1.0, 0.0]])
+    close(objectives.whiten(a, ma, moments), [[-1.0, 1.0, 0.0]])
     assert rollout.global_moments([], "cpu") == (0, 0.0, 0.0)  # a rank that kept no group
+
+
+def normalize(scores):
+    """--reward rm's scores z-scored over every rank, as rl_systems.Rollouts does."""
+    return objectives.normalize_scores(scores, rollout.global_moments([(scores, torch.ones_like(scores))], "cpu"))
 
 
 def _two_rank_moments(rank, init_file, results):
@@ -129,9 +133,9 @@ def _two_rank_moments(rank, init_file, results):
     else:  # row 1 with a mask of zeros only, then the scores 7, 9
         pairs, mine = [(advantages[1:], torch.zeros(1, 3)), (advantages[1:], mask[1:])], scores[2:]
     moments = rollout.global_moments(pairs, "cpu")
-    whitened = [rollout.whiten(v, m, moments) for v, m in pairs]
+    whitened = [objectives.whiten(v, m, moments) for v, m in pairs]
     # plain lists: a tensor would travel as shared memory that dies with this process
-    results.put((rank, moments, [w.tolist() for w in whitened], rollout.normalize_scores(mine).tolist()))
+    results.put((rank, moments, [w.tolist() for w in whitened], normalize(mine).tolist()))
     torch.distributed.destroy_process_group()
 
 
@@ -150,13 +154,12 @@ def test_whitening_and_score_normalisation_are_the_same_on_one_process_and_two_r
     advantages = torch.tensor([[1.0, 3.0, 7.0], [0.5, 2.0, 4.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     moments = rollout.global_moments([(advantages, mask)], "cpu")
-    whole = rollout.whiten(advantages, mask, moments)
+    whole = objectives.whiten(advantages, mask, moments)
     assert got[0][0] == pytest.approx(moments) and got[1][0] == pytest.approx(moments)
     close(got[0][1][0], whole[:1])
     close(got[1][1][0], torch.zeros(1, 3))
     close(got[1][1][1], whole[1:])
-    z = rl.normalize_scores(torch.tensor([3.0, 5.0, 7.0, 9.0]))
-    close(got[0][2] + got[1][2], z)
+    close(got[0][2] + got[1][2], normalize(torch.tensor([3.0, 5.0, 7.0, 9.0])))
 
 
 # -----------------------------------------------------------------------------
@@ -296,10 +299,10 @@ def test_torchrun_ppo_with_a_rank_without_valid_tokens_stays_finite_and_identica
 def test_rl_from_a_reward_model_does_not_scale_near_ties_to_full_size_advantages():
     # A group scored 1.499-1.502: std scaling makes it +-1.34, as large as a real contrast; Dr. GRPO keeps it tiny.
     scores = torch.tensor([1.499, 1.500, 1.501, 1.502])
-    close(rl.group_advantages(scores, 4, scale="std"), [-1.3416, -0.4472, 0.4472, 1.3416], atol=2e-3)
+    close(objectives.group_advantages(scores, 4, scale="std"), [-1.3416, -0.4472, 0.4472, 1.3416], atol=2e-3)
     args = rl.parse_args(["--preset", "tiny", "--reward", "rm", "--rm-ckpt", "x"])
     assert args.adv_scale == "none" and rl.parse_args(["--preset", "tiny"]).adv_scale == "std"
-    close(rl.group_advantages(scores, 4, scale=args.adv_scale), [-0.0015, -0.0005, 0.0005, 0.0015], atol=1e-5)
+    close(objectives.group_advantages(scores, 4, scale=args.adv_scale), [-0.0015, -0.0005, 0.0005, 0.0015], atol=1e-5)
 
 
 def test_scalar_head_scores_in_float32_under_bf16_autocast(model, tokenizer):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rl
-import rollout
+import rl_systems
 from common import save_checkpoint
 from conftest import free_port, make_model, make_tokenizer
 from engine import Completion, Engine
@@ -47,7 +47,7 @@ def install(groups_path, which, record):
     groups = json.loads(Path(groups_path).read_text())[which]
     for group in groups:
         group["completions"] = [Completion(**c) for c in group["completions"]]
-    real_sample_groups, real_clip = rollout.sample_groups, torch.nn.utils.clip_grad_norm_
+    real_sample_groups, real_clip = rl_systems.sample_groups, torch.nn.utils.clip_grad_norm_
 
     def sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed, **kwargs):
         drawn, stats = real_sample_groups(engine, task, num_groups, group_size, max_tokens, sampling, seed,
@@ -61,7 +61,7 @@ def install(groups_path, which, record):
         record.setdefault("grads", []).append(torch.cat([p.grad.flatten() for p in parameters]).clone())
         return real_clip(parameters, max_norm)
 
-    rollout.sample_groups = sample_groups
+    rl_systems.sample_groups = sample_groups  # what rl_systems.Rollouts calls
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
     return real_sample_groups, real_clip
 
@@ -70,7 +70,7 @@ DRIVER = """
 import os, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
 import torch
-import rl, rollout, test_rl_ddp as t
+import rl, test_rl_ddp as t
 rank = int(os.environ["RANK"])
 record = {{}}
 t.install({groups!r}, t.SPLIT[rank], record)
@@ -103,7 +103,7 @@ def test_rl_two_uneven_ranks_equal_one_process(tmp_path, monkeypatch):
     try:
         rl.main(FLAGS + ["--ckpt", str(checkpoint), "--out", str(tmp_path / "rl-single")])
     finally:
-        rollout.sample_groups, torch.nn.utils.clip_grad_norm_ = real
+        rl_systems.sample_groups, torch.nn.utils.clip_grad_norm_ = real
 
     assert len(ranks[0]["prompts"]) == len(ranks[1]["prompts"]) == 2
     assert not set(map(tuple, ranks[0]["prompts"])) & set(map(tuple, ranks[1]["prompts"]))  # each rank its own

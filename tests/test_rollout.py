@@ -13,9 +13,12 @@ import pytest
 import torch
 
 import model as model_module
+import objectives
 import rl
+import rl_systems
 import rollout
 import tasks
+from conftest import grpo_advantages
 from engine import Engine, sampling_logprobs
 from model import GPT
 from tasks import SyntheticTask
@@ -143,11 +146,11 @@ def test_account_sources_counts_tokens_and_the_mass_of_the_advantages_trained_on
 def test_difficulty_keep_rule_on_hand_made_counts():
     counts = [0, 1, 2, 8, 14, 15, 16]
     # n = 16, (0.1, 0.9): 1.6 < c < 14.4, i.e. 2 to 14 successes
-    assert rollout.difficulty_keep(counts, 16, 0.1, 0.9) == [False, False, True, True, True, False, False]
+    assert rl_systems.difficulty_keep(counts, 16, 0.1, 0.9) == [False, False, True, True, True, False, False]
     # the bounds are strict: 4 of 8 is not inside (0.5, 1)
-    assert rollout.difficulty_keep([4, 5, 8], 8, 0.5, 1.0) == [False, True, False]
+    assert rl_systems.difficulty_keep([4, 5, 8], 8, 0.5, 1.0) == [False, True, False]
     with pytest.raises(ValueError, match="LOW < HIGH"):
-        rollout.difficulty_keep(counts, 16, 0.9, 0.1)
+        rl_systems.difficulty_keep(counts, 16, 0.9, 0.1)
 
 
 def test_difficulty_filter_runs_prints_and_caches(monkeypatch, tmp_path, checkpoint, capsys):  # noqa: F811
@@ -171,7 +174,7 @@ def test_difficulty_cache_key_follows_the_prompts_it_counted(monkeypatch):
                   ["--eval-problems", "400", "--difficulty-samples", "8"]):
         args = rl.parse_args(["--preset", "tiny", "--decontaminate", *flags])
         train_task = rollout.prepare_prompts(args, 1)[0]
-        keys.append(rollout.difficulty_cache_key(args, train_task, sampling))
+        keys.append(rl_systems.difficulty_cache_key(args, train_task, sampling))
         sizes.append(len(train_task))
     assert sizes[:2] == [5000, 4996]  # 400 held-out problems drop 4 training prompts that share a 13-gram
     assert keys[0] != keys[1] and keys[1] == keys[2] and keys[3] != keys[2]
@@ -182,11 +185,11 @@ def test_difficulty_filter_reports_the_mixture_it_leaves(monkeypatch, tmp_path, 
                           "--difficulty-samples", "4", "--prompts-per-step", "2"])
     mixture = tasks.PromptMixture([("a", LengthParity(size=8), 1.0), ("b", LengthParity(size=8), 1.0)])
     sampling = dict(temperature=1.0, top_k=None, top_p=None)
-    key = rollout.difficulty_cache_key(args, mixture, sampling)
-    cache = rollout.resolve_checkpoint(checkpoint) / f"difficulty_{key:016x}.json"
+    key = rl_systems.difficulty_cache_key(args, mixture, sampling)
+    cache = rl_systems.resolve_checkpoint(checkpoint) / f"difficulty_{key:016x}.json"
     cache.write_text(json.dumps({"successes": [2] * 6 + [0] * 10}))  # a's first 6 of its 8 in range, none of b's
     try:
-        kept = rollout.difficulty_prompts(args, Engine(model, tokenizer), mixture, checkpoint, None, sampling)
+        kept = rl_systems.difficulty_prompts(args, Engine(model, tokenizer), mixture, checkpoint, None, sampling)
     finally:
         cache.unlink()
     assert len(kept) == 6 and "training prompts per source {'a': 6, 'b': 0}" in capsys.readouterr().out
@@ -197,26 +200,26 @@ def test_difficulty_filter_reports_the_mixture_it_leaves(monkeypatch, tmp_path, 
 
 
 def test_ptgs_example_temperatures():
-    controller = rollout.TemperatureController(target=0.5, tau=1.5, t_ref=1.0)
+    controller = rl_systems.TemperatureController(target=0.5, tau=1.5, t_ref=1.0)
     got = [controller.temperature(p) for p in (0.1, 0.5, 0.9)]
     assert got == pytest.approx([1.5 ** 0.8, 1.0, 1.5 ** -0.8])
     assert [round(t, 2) for t in got] == [1.38, 1.00, 0.72]
     # an asymmetric target: the ends still map to T_ref * tau and T_ref / tau
-    skewed = rollout.TemperatureController(target=0.8, tau=2.0, t_ref=0.7)
+    skewed = rl_systems.TemperatureController(target=0.8, tau=2.0, t_ref=0.7)
     assert [skewed.temperature(p) for p in (0.0, 0.8, 1.0)] == pytest.approx([1.4, 0.7, 0.35])
 
 
 def test_ptgs_discount_and_posterior():
-    controller = rollout.TemperatureController(gamma=0.5, seed=0)
+    controller = rl_systems.TemperatureController(gamma=0.5, seed=0)
     controller.update("t", 3, 1)
     controller.update("t", 0, 4)
     assert controller.counts["t"] == [0.5 * 3 + 0, 0.5 * 1 + 4]
-    gamma1 = rollout.TemperatureController(gamma=1.0)
+    gamma1 = rl_systems.TemperatureController(gamma=1.0)
     gamma1.update("t", 3, 1)
     gamma1.update("t", 0, 4)
     assert gamma1.counts["t"] == [3, 5]
     # a task it always solves is sampled colder than the pivot, one it never solves hotter
-    easy, hard = rollout.TemperatureController(seed=1), rollout.TemperatureController(seed=1)
+    easy, hard = rl_systems.TemperatureController(seed=1), rl_systems.TemperatureController(seed=1)
     for _ in range(10):
         easy.update("t", 8, 0)
         hard.update("t", 0, 8)
@@ -224,12 +227,12 @@ def test_ptgs_discount_and_posterior():
 
 
 def test_ptgs_state_survives_a_checkpoint(tmp_path):
-    controller = rollout.TemperatureController(seed=3)
+    controller = rl_systems.TemperatureController(seed=3)
     for i in range(5):
         controller.update(f"t{i % 2}", i, 5 - i)
         controller.draw(f"t{i % 2}")
     torch.save({"ptgs": controller.state_dict()}, tmp_path / "extra.pt")
-    restored = rollout.TemperatureController(seed=99)
+    restored = rl_systems.TemperatureController(seed=99)
     restored.load_state_dict(torch.load(tmp_path / "extra.pt", weights_only=True)["ptgs"])
     assert restored.counts == controller.counts
     # Each step reseeds the draws from (seed, step, rank) (Rollouts.next_groups): the counts are all a resume needs.
@@ -247,7 +250,7 @@ def test_ptgs_groups_are_scored_at_their_own_temperature(model, tokenizer):  # n
                                  temperature_of=lambda c: temperature_of[int(c["task_id"].split("/")[1]) % 4])
     temps = [g["temperature"] for g in groups]
     assert len(groups) == 4 and set(temps) <= {0.7, 1.3, 1.0} and len(set(temps)) > 1
-    rows = rollout.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
+    rows = rollout.learner_rows(groups, grpo_advantages(groups, 3), mask_truncated=False)
     rows = [row + (g["temperature"],) for row, g in zip(rows, (g for g in groups for _ in g["completions"]))]
     batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     with torch.no_grad():
@@ -297,14 +300,14 @@ def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp
     with torch.no_grad():
         for p in newer.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    worker = rollout.RolloutWorker(checkpoint, "cpu", task, kwargs)
+    worker = rl_systems.RolloutWorker(checkpoint, "cpu", task, kwargs)
     try:
         worker.submit(5, 4, model.state_dict(), seed=0)  # step 5's groups with the weights after 4 updates
         step, version, groups, _, records, seconds = worker.result()
     finally:
         worker.close()
     assert (step, version) == (5, 4) and all(g["version"] == 4 for g in groups) and len(records) == 2
-    rows = rollout.learner_rows(groups, 3, "std", "mean", mask_truncated=False)
+    rows = rollout.learner_rows(groups, grpo_advantages(groups, 3), mask_truncated=False)
     batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     with torch.no_grad():
         sampler, _ = rollout.token_logprobs(model, batch["inputs"], batch["targets"], kwargs["sampling"])
@@ -322,9 +325,9 @@ def test_async_one_step_delay_samples_with_the_previous_weights(monkeypatch, tmp
 
 def test_groups_older_than_the_max_policy_age_are_dropped_and_counted():
     groups = [{"version": v, "id": i} for i, v in enumerate([4, 3, 2, 4, 1])]
-    kept, sources, dropped = rollout.fresh_groups(groups, list("abcde"), step=4, max_age=1)
+    kept, sources, dropped = rl_systems.fresh_groups(groups, list("abcde"), step=4, max_age=1)
     assert [g["id"] for g in kept] == [0, 1, 3] and sources == list("abd") and dropped == 2
-    assert rollout.fresh_groups(groups, list("abcde"), step=4, max_age=3)[2] == 0
+    assert rl_systems.fresh_groups(groups, list("abcde"), step=4, max_age=3)[2] == 0
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -351,7 +354,7 @@ def test_engine_logprobs_match_the_learner(model, tokenizer, sampling):
     prompts = [tokenizer.render_for_completion(task[i]) for i in range(3)]
     results = engine.generate(prompts, num_samples=2, max_tokens=12, seed=0, **sampling)
     groups = [{"prompt": p, "completions": c, "rewards": [0.0, 1.0]} for p, c in zip(prompts, results)]
-    rows = rollout.learner_rows(groups, 2, "std", "mean", mask_truncated=False)
+    rows = rollout.learner_rows(groups, grpo_advantages(groups, 2), mask_truncated=False)
     batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     assert batch["mask"].sum() == sum(len(c.tokens) for r in results for c in r)  # every sampled token, nothing else
     with torch.no_grad():
@@ -414,8 +417,8 @@ def test_mask_truncated_removes_completions_that_hit_the_budget(model, tokenizer
     (completions,) = engine.generate([prompt], num_samples=6, max_tokens=3, seed=0)
     assert {c.finish for c in completions} == {"stop", "length"}  # some stop within 3 tokens, some do not
     group = [{"prompt": prompt, "completions": completions, "rewards": [0.0, 1.0, 0.0, 1.0, 0.0, 1.0]}]
-    masked = rollout.learner_rows(group, 6, "std", "mean", mask_truncated=True)
-    kept = rollout.learner_rows(group, 6, "std", "mean", mask_truncated=False)
+    masked = rollout.learner_rows(group, grpo_advantages(group, 6), mask_truncated=True)
+    kept = rollout.learner_rows(group, grpo_advantages(group, 6), mask_truncated=False)
     assert [sum(m) for _, m, _, _ in masked] == [len(c.tokens) * (c.finish == "stop") for c in completions]
     assert [sum(m) for _, m, _, _ in kept] == [len(c.tokens) for c in completions]
 
@@ -464,7 +467,7 @@ def test_learner_logprobs_detached_are_exactly_the_old_logprobs(model, tokenizer
     engine = Engine(model, tokenizer)
     sampling = dict(temperature=1.0, top_k=None, top_p=None)
     groups, _ = rollout.sample_groups(engine, LengthParity(), 2, 4, 8, sampling, seed=3, filter_zero_contrast=False)
-    rows = rollout.learner_rows(groups, 4, "std", "mean", False)
+    rows = rollout.learner_rows(groups, grpo_advantages(groups, 4), False)
     micro = rollout.collate_rollouts(rows, tokenizer.bos_id, "cpu")
     with torch.no_grad():
         old, _ = rollout.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
@@ -472,7 +475,7 @@ def test_learner_logprobs_detached_are_exactly_the_old_logprobs(model, tokenizer
     for detached in (False, True):
         model.zero_grad(set_to_none=True)
         logp, _ = rollout.token_logprobs(model, micro["inputs"], micro["targets"], sampling)
-        loss, _ = rl.policy_loss(logp, logp.detach() if detached else old, micro["advantages"], micro["mask"])
+        loss, _ = objectives.policy_loss(logp, logp.detach() if detached else old, micro["advantages"], micro["mask"])
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     model.zero_grad(set_to_none=True)

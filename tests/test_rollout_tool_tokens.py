@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rollout
-from conftest import make_tokenizer, scripted_model
+from conftest import grpo_advantages, make_tokenizer, scripted_model
 from engine import Engine
 from tasks import SyntheticTask
 
@@ -61,7 +61,7 @@ def test_forced_tool_output_is_never_trained_and_logprobs_match(tokenizer, tool_
 
     groups = [{"prompt": p, "completions": r, "rewards": [float(j % 2) for j in range(8)]}
               for p, r in zip(prompts, results)]
-    rows = rollout.learner_rows(groups, 8, "std", "mean", mask_truncated=False)
+    rows = rollout.learner_rows(groups, grpo_advantages(groups, 8), mask_truncated=False)
     batch = rollout.collate_rollouts(rows, pad_id=0, device="cpu")
     targets, mask = batch["targets"], batch["mask"]
     assert mask.sum() == sum(sum(c.mask) for c in completions)  # every sampled token, once; nothing else
