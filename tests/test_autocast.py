@@ -147,3 +147,31 @@ def test_training_memory_counts_the_bytes_a_block_saves_for_backward():
         # attention's log-sum-exp (4 H).
         statistics = 8 + 4 * H + 4 * n_kv_head + 4 * H
         assert per_position == model_terms + statistics
+
+
+def test_the_bf16_head_compiles_into_one_graph_with_its_backward():
+    # Pretraining compiles the model: Bf16Linear (an autograd.Function) and autocast_dtype must trace without a graph
+    # break, forward and backward (aot_eager: AOTAutograd's joint graph, no inductor kernels on CPU).
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    model.init_weights()
+    x = torch.randint(0, CONFIG.vocab_size, (2, 16))
+
+    def loss_of(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x, x, logits_chunk=None)
+
+    try:
+        explained = torch._dynamo.explain(loss_of)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+        loss = torch.compile(loss_of, backend="aot_eager")(x)
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
+    eager = GPT(CONFIG)
+    eager.load_state_dict(model.state_dict())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager_loss = eager(x, x, logits_chunk=None)
+    eager_loss.backward()
+    torch.testing.assert_close(loss, eager_loss)
+    torch.testing.assert_close(model.lm_head.weight.grad, eager.lm_head.weight.grad)
