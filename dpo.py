@@ -88,7 +88,7 @@ def resolve_loss_defaults(args):
 # Defaults per preset; explicit flags win.
 # full (8xH100, plan(): ~3 min for a depth-20 model): one epoch of UltraFeedback-binarized train_prefs (61k pairs, ~600
 # tokens a side): a reference pass (forward only) plus a policy pass over ~75M tokens; micro-batches of 32,768 padded
-# positions (8 pairs of 2,048-token sides at most) need ~61 GiB per GPU with chunked logits (model.training_memory);
+# positions (8 pairs of 2,048-token sides at most) need ~50 GiB per GPU with chunked logits (model.training_memory);
 # tiny: 1,024 = 2 pairs of the 256-token context at their longest: on a CPU, which pays per padded position and little
 # per micro-batch, the stage takes 105 s instead of 124 s at 8,192 on 2 idle cores, with the same metrics.
 # --pairs self-generated --task gsm8k instead samples 8 answers to each of the 7.5k GSM8K train problems (the

@@ -71,6 +71,46 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
+def autocast_dtype(x):
+    """x cast to the dtype autocast runs matmuls in (bf16 on CUDA) when autocast is on for x's device, else x."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return x
+    return x.to(torch.get_autocast_dtype(x.device.type))
+
+
+class Bf16Linear(torch.autograd.Function):
+    """
+    y = x W^T with x and W rounded to bf16 and y in float32, forward and backward: the matmul at bf16's tensor-core
+    rate, its products exact in float32 (a bf16 product has 16 significant bits) and its sums accumulated and returned
+    in float32, so y is not rounded to bf16's grid. Backward: dx = g W and dW = g^T x with g rounded to bf16, dW
+    returned in float32 for the float32 weight. On CUDA the matmuls are torch.mm(out_dtype=float32) (cuBLAS's bf16
+    GEMM with a float32 output), which has no derivative in torch 2.13, hence this Function; elsewhere the same values
+    from a float32 matmul of the rounded inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        x16, w16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+        ctx.save_for_backward(x16, w16)
+        ctx.x_dtype = x.dtype
+        return mm_float32(x16.reshape(-1, x.size(-1)), w16.t()).view(*x.shape[:-1], weight.size(0))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x16, w16 = ctx.saved_tensors
+        g16 = grad.reshape(-1, grad.size(-1)).to(torch.bfloat16)  # (N, V)
+        grad_x = (g16 @ w16).view(x16.shape).to(ctx.x_dtype)  # (N, V) @ (V, C)
+        grad_w = mm_float32(g16.t(), x16.reshape(-1, x16.size(-1)))  # (V, N) @ (N, C)
+        return grad_x, grad_w
+
+
+def mm_float32(a, b):
+    """a @ b of bf16 matrices with float32 sums and output (see Bf16Linear)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
 def apply_rotary(x, cos, sin):
     """
     Rotate each pair (x1[i], x2[i]) = (x[..., i], x[..., i + D/2]) by the angle pos * theta_i:
@@ -156,7 +196,9 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x):
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+        # r * r, not r.square(): CUDA autocast runs pow in float32, which saves float32 copies for backward.
+        r = F.relu(self.c_fc(x))  # (B, T, 4C)
+        return self.c_proj(r * r)
 
 
 class Block(nn.Module):
@@ -166,8 +208,9 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, attn_mask, kv_cache):
-        x = x + self.attn(norm(x), cos, sin, attn_mask, kv_cache)
-        return x + self.mlp(norm(x))
+        # Cast once: c_q, c_k and c_v (and c_fc) would each cast the float32 norm output to bf16 and keep their copy.
+        x = x + self.attn(autocast_dtype(norm(x)), cos, sin, attn_mask, kv_cache)
+        return x + self.mlp(autocast_dtype(norm(x)))
 
 
 class GPT(nn.Module):
@@ -317,16 +360,20 @@ class GPT(nn.Module):
         """
         Soft-capped float32 logits (..., V) of hidden states h (..., C): the one head of the engine's sampling
         distribution and of the learner's log-probs (both reach it through forward or chunked_logits).
-        The lm_head matmul runs outside autocast, in float32: under bf16 autocast its output would be bf16, which puts
-        every logit, and so every log-prob, on a grid of ~0.03-0.06 at logits of 4-8, and the engine's one-token
-        decode and the learner's full forward land on different grid points. On CUDA the float32 matmul runs as TF32
-        (common.py enables it): tensor cores at about half bf16's rate, for this one matmul.
+        The logits are float32 even under bf16 autocast: a bf16 output would put every logit, and so every log-prob,
+        on a grid of ~0.03-0.06 at logits of 4-8, and the engine's one-token decode and the learner's full forward
+        would land on different grid points. Under bf16 autocast the matmul itself takes bf16 inputs (Bf16Linear:
+        bf16's tensor-core rate, float32 sums and output); without autocast it is float32 throughout.
         The soft-cap cap * tanh(z / cap) is computed as 2 cap * sigmoid(2 z / cap) - cap (tanh x = 2 sigmoid(2x) - 1,
         equal up to float rounding): on CPU torch.sigmoid runs ~3.5x faster than torch.tanh, ~1.5 ms of a 64-row
         decode step at vocabulary 8,192 (bench/engine.py).
         """
+        bf16 = torch.is_autocast_enabled(h.device.type) and torch.get_autocast_dtype(h.device.type) == torch.bfloat16
         with torch.autocast(h.device.type, enabled=False):
-            logits = F.linear(h.float(), self.lm_head.weight.float())  # (..., V)
+            if bf16:
+                logits = Bf16Linear.apply(h, self.lm_head.weight)  # (..., V) float32
+            else:
+                logits = F.linear(h.float(), self.lm_head.weight.float())
         return torch.sigmoid(logits * (2 / LOGIT_SOFTCAP)) * (2 * LOGIT_SOFTCAP) - LOGIT_SOFTCAP
 
     def chunked_logits(self, h, fn, *per_token, chunk_tokens=None):
@@ -370,18 +417,19 @@ def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS
       autocast     2 P_blocks + 2 V C       bf16 copies of the matmul weights autocast keeps during forward
       grads        4 P                      fp32 gradients (+ 4 P more with ddp: DDP's gradient buckets)
       optimizer    8 (2 V C) + 4 P_blocks   AdamW's two moments for wte and lm_head, Muon's momentum for the blocks
-      activations  N (L (48 + 10 f) + 14) C     saved for backward; per layer and position, in bytes per channel:
-                   attention 18 + 10 f (fp32 residual into the norm 4, its bf16 copy 2, q 2, k and v 2 f each,
-                   fp32 QK-norm outputs 4 + 4 f, bf16 rotary outputs 2 + 2 f, attention output and its c_proj
-                   input 2 + 2), MLP 30 (residual 4, bf16 norm 2, c_fc output 8, ReLU output 8, its square 8);
-                   outside the blocks 14 (embedding 4, final norm's input 4 and fp32 output 4, its bf16 copy 2)
+      activations  N (L (36 + 8 f) + 14) C     saved for backward; per layer and position, in bytes per channel:
+                   attention 14 + 8 f (fp32 residual into the norm 4, its bf16 copy 2 that c_q/c_k/c_v share,
+                   fp32 copies of q and k that QK-norm normalises 4 + 4 f, bf16 rotated q, k and v 2 + 4 f,
+                   attention output 2), MLP 22 (residual 4, bf16 norm 2, ReLU output 8, its square 8); outside the
+                   blocks at most 14 (embedding 4, final norm's input 4, its output 4 or its bf16 copy 2)
       logits       22 V min(N, logits_chunk)   per live position: bf16 lm_head output 2, its fp32 copy 4, soft-cap 4,
                    log-softmax 4, the logits' gradient 4 and the gradient through the cap 4; all N positions at
                    once when logits_chunk is None (GPT.forward's whole path), one chunk with chunked_logits
 
-    with C = n_embd, L = n_layer, V = vocab_size, f = n_kv_head / n_head. The activation coefficients were counted
-    from the tensors autograd saves in Block.forward under CUDA autocast (rms_norm in fp32, matmuls in bf16);
-    flash attention keeps only its output and log-sum-exp, no (T, T) scores.
+    with C = n_embd, L = n_layer, V = vocab_size, f = n_kv_head / n_head. The block's coefficients are the bytes
+    autograd saves in Block.forward under bf16 autocast (tests/test_memory.py counts them with saved_tensors_hooks;
+    the few bytes per head and position of norms' and attention's statistics are left out); flash attention keeps
+    only its output and log-sum-exp, no (T, T) scores.
     trainable: LoRA's adapter parameters (lora_params) when only they train: their fp32 weights come on top,
     gradients are 4 trainable (x2 with ddp) and AdamW's two moments 8 trainable instead of the full model's terms;
     activations are counted as for full fine-tuning (an upper bound: the adapters keep their inputs, the frozen
@@ -397,7 +445,7 @@ def training_memory(config, micro_batch_tokens, logits_chunk=LOGITS_CHUNK_TOKENS
         "autocast": 2 * block_params + 2 * V * C,
         "grads": 4 * (params if trainable is None else trainable) * (2 if ddp else 1),
         "optimizer": 8 * 2 * V * C + 4 * block_params if trainable is None else 8 * trainable,
-        "activations": N * (L * (48 + 10 * f) + 14) * C,
+        "activations": N * (L * (36 + 8 * f) + 14) * C,
         "logits": 22 * V * (N if logits_chunk is None else min(N, logits_chunk)),
     }
     terms = {name: int(value) for name, value in terms.items()}

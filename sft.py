@@ -69,7 +69,7 @@ from tasks import (GSM8K, RowTooLong, SmolTalk, SyntheticCalculatorArithmetic, S
 # full (8xH100, plan(): ~6 min for a depth-20 base, ~560M parameters): one pass over smol-smoltalk (~460k
 # conversations, ~200M tokens with padding) plus two of GSM8K train (15k); about 6 * N * tokens = 7e17 FLOPs at an
 # assumed 25% MFU, plus the final generation check. Micro-batches of 32,768 padded positions (16 rows of
-# 2,048) need ~61 GiB per GPU with chunked logits (model.training_memory). tiny: 1,024 = 4 rows of the 256-token
+# 2,048) need ~50 GiB per GPU with chunked logits (model.training_memory). tiny: 1,024 = 4 rows of the 256-token
 # context at their longest. A CPU pays per position, padding included, and little per micro-batch: the step's 32
 # conversations sorted into 2-3 micro-batches are 7% padding instead of ~45% in one of 4,096, and the stage takes
 # 117 s instead of 132 s on 2 idle cores, with the same loss and metrics (backward_sft_loss: one mean per step).

@@ -33,19 +33,19 @@
 # keeps less). Download and tokenizer come on top. The two unknowns that move the total most are named under each
 # table with what another value would change. tests/test_plan.py checks these lines.
 #   full preset on 8xH100 80GB: minutes, peak GiB per GPU
-#     base     157 min   54.8 GiB
-#     sft        6 min   61.2 GiB
-#     dpo        3 min   61.2 GiB
-#     rl        64 min   36.2 GiB
+#     base     157 min   49.3 GiB
+#     sft        6 min   50.3 GiB
+#     dpo        3 min   50.3 GiB
+#     rl        64 min   30.7 GiB
 #     eval       4 min   22.0 GiB
 #     total    234 min
 #     unknown: pretraining MFU 40% assumed; at 33%: +33 min, 50%: -31 min
 #     unknown: RL 3.7 sampling rounds per step (gsm8k pass@1 5% at the start) assumed; at 1: -45 min, 4 (the cap): +5 min
 #   small preset on 1x RTX 4090 24GB: minutes, peak GiB per GPU
-#     base      76 min   14.6 GiB
-#     sft        7 min   11.0 GiB
-#     dpo        6 min   11.0 GiB
-#     rl        35 min    8.8 GiB
+#     base      76 min   14.2 GiB
+#     sft        7 min   10.1 GiB
+#     dpo        6 min   10.1 GiB
+#     rl        35 min    8.3 GiB
 #     eval       9 min    4.4 GiB
 #     total    133 min
 #     unknown: pretraining MFU 40% assumed; at 33%: +16 min, 50%: -15 min

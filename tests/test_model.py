@@ -195,15 +195,17 @@ def test_kv_cache_keys_and_values_share_the_autocast_dtype(model, monkeypatch):
 
 def test_head_is_float32_under_bf16_autocast(model):
     # The engine's sampling distribution and the learner's log-probs both read GPT.head: under autocast its matmul
-    # must still be float32, or both sit on bf16's grid. Broken once (lm_head(h).float(), a bf16 matmul under
-    # autocast): the logits were off by up to 0.024 and this failed.
+    # takes bf16 inputs (bf16's tensor-core rate) but sums and returns float32, or every logit sits on bf16's grid.
+    # Broken once (lm_head(h).float(), a bf16 output): the logits were bf16 numbers and this failed.
     torch.manual_seed(1)
     h = 4 * torch.randn(3, 5, CONFIG.n_embd)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model.head(h)
-    expected = model_module.LOGIT_SOFTCAP * torch.tanh(h @ model.lm_head.weight.T / model_module.LOGIT_SOFTCAP)
+    z = h.bfloat16().float() @ model.lm_head.weight.bfloat16().float().T  # products of bf16 numbers, float32 sums
+    expected = model_module.LOGIT_SOFTCAP * torch.tanh(z / model_module.LOGIT_SOFTCAP)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    assert (z.bfloat16().float() != z).float().mean() > 0.9  # z itself is not on bf16's grid
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
@@ -251,9 +253,9 @@ def test_training_memory_by_hand():
     mem = training_memory(config, micro_batch_tokens=50, logits_chunk=8, ddp=False)
     assert mem == {"weights": 4 * 102912, "autocast": 2 * 90112 + 2 * 6400, "grads": 4 * 102912,
                    "optimizer": 8 * 12800 + 4 * 90112,
-                   "activations": 50 * (2 * (48 + 5) + 14) * 64,  # 50 * 120 * 64 = 384000
+                   "activations": 50 * (2 * (36 + 4) + 14) * 64,  # 50 * 94 * 64 = 300800
                    "logits": 22 * 100 * 8, "total": mem["total"]}
-    assert mem["total"] == 411648 + 193024 + 411648 + 462848 + 384000 + 17600
+    assert mem["total"] == 411648 + 193024 + 411648 + 462848 + 300800 + 17600
     assert training_memory(config, 50, logits_chunk=None, ddp=False)["logits"] == 22 * 100 * 50
     assert training_memory(config, 50, logits_chunk=8, ddp=True)["grads"] == 8 * 102912
     assert training_memory(config, 5, logits_chunk=8, ddp=False)["logits"] == 22 * 100 * 5

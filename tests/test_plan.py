@@ -23,20 +23,20 @@ RTX_24GB = 24564 * 2**20
 # By hand, for vocab V = 65,536 (model.training_memory's terms):
 # depth 20 (C 1280, 20 layers, P = 2 V C + 20 * 12 C^2 = 560,988,160): weights, autocast copies, DDP grads and
 # optimizer state = 2,243,952,640 + 954,204,160 + 4,487,905,280 + 2,915,041,280 = 10,601,103,360 bytes; activations
-# (20 * 58 + 14) * 1280 = 1,502,720 bytes per token; whole logits 22 V = 1,441,792 per token, chunked 22 V * 4096 =
+# (20 * 44 + 14) * 1280 = 1,144,320 bytes per token; whole logits 22 V = 1,441,792 per token, chunked 22 V * 4096 =
 # 5,905,580,032 in all.
 # depth 8 (C 512, P = 92,274,688): 369,098,752 + 117,440,512 + 738,197,504 + 637,534,208 = 1,862,270,976 bytes;
-# activations (8 * 58 + 14) * 512 = 244,736 per token.
+# activations (8 * 44 + 14) * 512 = 187,392 per token.
 # Usable: 90% of 85,521,661,952 = 76,969,495,756.8 (H100); 90% of 25,757,220,864 = 23,181,498,777.6 (24 GB).
 FIT_CASES = [
     # (depth, seq len, GPU bytes, logits_chunk, max tokens, expected): why
-    # whole logits: (76,969,495,756.8 - 10,601,103,360) / (1,502,720 + 1,441,792) = 22,539 tokens -> 16,384
+    # whole logits: (76,969,495,756.8 - 10,601,103,360) / (1,144,320 + 1,441,792) = 25,663 tokens -> 16,384
     (20, 2048, H100, None, 65536, 16384),
-    # chunked: (76,969,495,756.8 - 10,601,103,360 - 5,905,580,032) / 1,502,720 = 40,235 tokens -> 32,768
+    # chunked: (76,969,495,756.8 - 10,601,103,360 - 5,905,580,032) / 1,144,320 = 52,837 tokens -> 32,768
     (20, 2048, H100, LOGITS_CHUNK_TOKENS, 32768, 32768),
-    # chunked on 24 GB: 16,506,683,392 + 4096 * 1,502,720 = 22,661,824,512 fits; 8192 tokens: 28,816,965,632 does not
+    # chunked on 24 GB: 16,506,683,392 + 4096 * 1,144,320 = 21,193,818,112 fits; 8192 tokens: 25,880,952,832 does not
     (20, 2048, RTX_24GB, LOGITS_CHUNK_TOKENS, 32768, 4096),
-    # whole logits on 24 GB: (23,181,498,777.6 - 1,862,270,976) / (244,736 + 1,441,792) = 12,640 tokens -> 8,192
+    # whole logits on 24 GB: (23,181,498,777.6 - 1,862,270,976) / (187,392 + 1,441,792) = 13,086 tokens -> 8,192
     (8, 1024, RTX_24GB, None, 16384, 8192),
 ]
 
@@ -49,9 +49,9 @@ def test_fit_batch_tokens_matches_hand_computed(depth, seq_len, gpu_bytes, chunk
 
 def test_fit_batch_tokens_that_cannot_fit_names_stage_and_memory():
     config = GPTConfig.from_depth(20, 65536, 2048)
-    # 2,048 tokens: one chunk of 2,048 logits, 10,601,103,360 + 22 * 65,536 * 2048 + 2048 * 1,502,720 =
-    # 16,631,463,936 bytes = 15.5 GiB > 10.8 GiB (90% of 12 GiB)
-    with pytest.raises(common.UserError, match=r"sft does not fit .*2,048 tokens\) needs 15\.5 GiB .* 10\.8 GiB"):
+    # 2,048 tokens: one chunk of 2,048 logits, 10,601,103,360 + 22 * 65,536 * 2048 + 2048 * 1,144,320 =
+    # 15,897,460,736 bytes = 14.8 GiB > 10.8 GiB (90% of 12 GiB)
+    with pytest.raises(common.UserError, match=r"sft does not fit .*2,048 tokens\) needs 14\.8 GiB .* 10\.8 GiB"):
         common.fit_batch_tokens("sft", config, 12 * 2**30, 32768, 2048, LOGITS_CHUNK_TOKENS)
 
 
@@ -183,15 +183,15 @@ def test_rl_plan_rounds_and_residency():
     assert p["sampling_rounds"] == pytest.approx(3.72133, abs=1e-4)
     assert p["decode_tokens"] == pytest.approx(100 * 3.721334630836652 * 2048 * 384 + 3 * 400 * 8 * 384)
     # Peak: the learner, at 16,384 tokens without DDP buckets: weights 2,243,952,640 + autocast 954,204,160 + grads
-    # 2,243,952,640 + optimizer 2,915,041,280 + activations 16,384 x 1,502,720 + one logits chunk 22 V 4096 =
-    # 38,883,295,232. The rollout holds less: weights, autocast, optimizer, 256 rows x 640 positions of KV cache
+    # 2,243,952,640 + optimizer 2,915,041,280 + activations 16,384 x 1,144,320 + one logits chunk 22 V 4096 =
+    # 33,011,269,632. The rollout holds less: weights, autocast, optimizer, 256 rows x 640 positions of KV cache
     # (102,400 bytes each: 16,777,216,000) and their sampling logits 16 V 256 = 23,158,849,536; the two never coexist.
     assert p["micro_batch_tokens"] == 16384
-    assert p["peak_gib"] == pytest.approx(38_883_295_232 / 2**30)
+    assert p["peak_gib"] == pytest.approx(33_011_269_632 / 2**30)
     # From a reward model: no contrast filter (one round), the reward model and the reference (KL 0.05 by default)
     rm = rl_plan("--reward", "rm", "--rm-ckpt", "unused")
     assert rm["sampling_rounds"] == 1.0
-    assert rm["peak_gib"] == pytest.approx((38_883_295_232 + 2_243_957_764 + 2_243_952_640) / 2**30)
+    assert rm["peak_gib"] == pytest.approx((33_011_269_632 + 2_243_957_764 + 2_243_952_640) / 2**30)
 
 
 def test_eval_plan_peak_is_generation_not_training():
