@@ -335,7 +335,7 @@ class Worker:
                 if self.stopping:
                     break
                 new = self.admit()
-            try:
+            try:  # a failing prefill answers only the new requests: add() changes the batch only when it returns
                 with common.autocast_ctx(self.device):
                     if new:
                         self.batch.add([job.request for job in new])
@@ -343,20 +343,28 @@ class Worker:
                         self.stats["joined_running"] += len(new) if self.running else 0
                         self.running += new
                         self.stats["largest_batch"] = max(self.stats["largest_batch"], len(self.running))
+            except Exception as e:
+                self.fail(new, e)
+            try:  # a failing step leaves the batch in no known state: its requests are answered 500, it starts anew
+                with common.autocast_ctx(self.device):
                     self.finish_early()
                     self.batch.step()
                 self.stats["steps"] += 1
                 self.send()
-            except Exception as e:  # a failure answers the running requests with 500; the worker goes on
-                traceback.print_exc()
-                self.stats["errors"] += 1
-                error = ApiError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
-                for job in self.running + [job for job in new if job not in self.running]:
-                    job.put(("error", error))
+            except Exception as e:
+                self.fail(self.running, e)
                 self.running, self.batch = [], DecodeBatch(self.engine)
         for job in self.running:
             job.put(("error", ApiError(503, "the server is shutting down; the reply is incomplete",
                                        kind="server_error")))
+
+    def fail(self, jobs, e):
+        """Answer `jobs` with a 500 naming the exception; the worker goes on with the others."""
+        traceback.print_exc()
+        self.stats["errors"] += 1
+        error = ApiError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
+        for job in jobs:
+            job.put(("error", error))
 
     def finish_early(self):
         """Finish the rows nobody reads any more (client gone) or whose text reached a stop string."""
@@ -371,6 +379,11 @@ class Worker:
         for job in self.running:
             completions = job.request.completions
             if job.cancelled:
+                continue
+            if job.request.failed:  # its own rows only: the batch's other rows decoded this step as usual
+                self.stats["errors"] += 1
+                job.put(("error", ApiError(500, "generation failed: the model's next-token logits for this request "
+                                                "are not finite (NaN or inf)", kind="server_error")))
                 continue
             new, entries = [], []
             for s, c in enumerate(completions):

@@ -400,6 +400,63 @@ def test_requests_joining_a_running_batch_decode_as_if_alone(model, tokenizer):
     assert [c.tokens for c in generated] == solo
 
 
+def test_a_hostile_row_fails_its_own_request_and_its_neighbours_decode_as_if_alone(model, tokenizer):
+    from engine import DecodeBatch, Request
+
+    engine = Engine(model, tokenizer)
+    prompts = [prompt_of(tokenizer, text) for text in ("What is 3+4?", "hello there", "hi")]
+
+    def neighbours():
+        return [Request(prompts[0], 2, 20, Sampling(temperature=0.9, top_k=40, seed=5)),
+                Request(prompts[1], 1, 20, Sampling(temperature=0))]
+
+    alone = []
+    for r in neighbours():
+        batch = DecodeBatch(engine)
+        batch.add([r])
+        while batch.rows:
+            batch.step()
+        alone.append([c.tokens for c in r.completions])
+    # a NaN bias gives the hostile request's rows no distribution; temperature 1e-39 and top_p 1e-46 once sampled
+    # token 400 (= vocabulary size) and failed the whole batch
+    nan = Request(prompts[2], 2, 20, Sampling(seed=1), logit_bias={7: float("nan")})
+    cold = Request(prompts[2], 1, 20, Sampling(temperature=1e-39))
+    narrow = Request(prompts[2], 1, 20, Sampling(top_p=1e-46))
+    requests = neighbours()
+    batch = DecodeBatch(engine)
+    batch.add(requests)
+    for _ in range(3):
+        batch.step()
+    batch.add([nan, cold, narrow])  # joins the running batch
+    while batch.rows:
+        batch.step()
+    assert [[c.tokens for c in r.completions] for r in requests] == alone
+    assert nan.failed and [c.finish for c in nan.completions] == ["error", "error"]
+    greedy = engine.generate([prompts[2]], max_tokens=20, temperature=0)[0][0].tokens
+    assert not cold.failed and not narrow.failed
+    assert cold.completions[0].tokens == greedy and narrow.completions[0].tokens == greedy
+
+
+def test_a_hostile_request_fails_alone_and_a_concurrent_stream_finishes(server, tokenizer):
+    from engine import Request
+
+    body = {"messages": USER, "max_tokens": 40, "temperature": 0}
+    expected = chat(server, **body)["choices"][0]["message"]["content"]
+    with ThreadPoolExecutor(4) as pool:
+        streamed = pool.submit(stream, server, **body)
+        hostile = [pool.submit(request, server, "POST", "/v1/chat/completions",
+                               {"messages": USER, "max_tokens": 40, **extra})
+                   for extra in ({"temperature": 1e-39}, {"top_p": 1e-46}, {"temperature": 1.5, "top_p": 1e-46})]
+        # a request whose rows have no distribution (no JSON can carry a NaN bias: the worker gets it directly)
+        broken = serve.Job(Request(prompt_of(tokenizer, "hi"), 2, 40, Sampling(), logit_bias={7: float("nan")}))
+        server.worker.submit(broken)
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed.result(TIMEOUT))
+        assert text == expected
+        assert [f.result(TIMEOUT)[0] for f in hostile] == [200, 200, 200]
+    kind, error = broken.get(TIMEOUT)
+    assert kind == "error" and error.status == 500 and "not finite" in str(error)
+
+
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_finished_rows_are_reused_in_place_and_packed_away(model, tokenizer, compiled):
     # the compiled step (a StaticKVCache of rows rounded up) reuses rows the same way but never packs
