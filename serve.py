@@ -49,6 +49,7 @@ import hmac
 import ipaddress
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -178,16 +179,27 @@ def read_messages(messages):
             raise ApiError(400, f"message {i} must be an object with 'role' and 'content', got {json.dumps(m)}",
                            "messages")
         extra = sorted(k for k, v in m.items() if k not in MESSAGE_FIELDS and v not in (None, [], ""))
-        if m.get("role") == "tool" or extra:
+        if m.get("role") == "tool" or "tool_calls" in extra or "function_call" in extra:
             what = "has role 'tool'" if m.get("role") == "tool" else f"has {extra[0]!r}"
             raise ApiError(400, f"message {i} {what}, which this server does not support: {NO_TOOLS}", "messages")
+        if extra:
+            raise ApiError(400, f"message {i} has {extra[0]!r}, which this server does not support: a message is "
+                                "'role' and 'content' (assistant messages may add 'content_parts')", "messages")
         role, content = ROLES.get(m.get("role"), m.get("role")), m.get("content")
+        if role != "assistant" and m.get("content_parts") is not None:
+            raise ApiError(400, f"message {i} has 'content_parts' with role {m.get('role')!r}: only assistant "
+                                "messages carry them (the model's own tool calls)", "messages")
         if role == "assistant" and m.get("content_parts") is not None:
             content = m["content_parts"]
         elif role == "assistant" and isinstance(content, str):
             content = reply_parts(content)
         turns.append({"role": role, "content": content})
     return {"messages": turns}
+
+
+def ascii_digits(text):
+    """Whether text is a non-negative decimal integer in ASCII digits (str.isdigit() also takes '²' and '١')."""
+    return isinstance(text, str) and re.fullmatch(r"[0-9]+", text) is not None
 
 
 def parse_request(body, tokenizer, context, limits):
@@ -204,7 +216,7 @@ def parse_request(body, tokenizer, context, limits):
                                                                                  else ""), key)
     model = body.get("model")
     if model is not None and model != limits.model_name and model not in limits.aliases and "*" not in limits.aliases:
-        raise ApiError(400, f"model {json.dumps(model)} is not served here; this server serves {limits.model_name!r}"
+        raise ApiError(404, f"model {json.dumps(model)} is not served here; this server serves {limits.model_name!r}"
                             + (f" (also answering to {', '.join(map(repr, limits.aliases))})" if limits.aliases
                                else "") + " (--model-alias adds names)", "model", code="model_not_found")
     response_format = body.get("response_format")
@@ -267,7 +279,7 @@ def parse_request(body, tokenizer, context, limits):
                             "entries", "logit_bias")
     bias = {}
     for token, value in logit_bias.items():
-        if not token.isdigit() or int(token) >= tokenizer.vocab_size:
+        if not ascii_digits(token) or int(token) >= tokenizer.vocab_size:
             raise ApiError(400, f"'logit_bias' has key {token!r}; keys are token ids of this model's tokenizer, "
                                 f"0 to {tokenizer.vocab_size - 1}", "logit_bias")
         bias[int(token)] = _number(logit_bias, token, 0, -100, 100)
@@ -544,8 +556,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def read_request(self):
         """The Job and flags of the request body; ApiError for a bad one; ConnectionError if it is cut short."""
-        if self.headers.get("Transfer-Encoding") is not None or not (self.headers.get("Content-Length") or
-                                                                     "").isdigit():
+        if len(self.headers.get_all("Content-Length") or []) > 1:  # which one frames the body is ambiguous
+            self.close_connection = True
+            raise ApiError(400, "the request has more than one Content-Length header; send one")
+        if self.headers.get("Transfer-Encoding") is not None or not ascii_digits(self.headers.get("Content-Length")):
             self.close_connection = True
             raise ApiError(411, "send the JSON body with a Content-Length header (no chunked request bodies)")
         length, limit = int(self.headers["Content-Length"]), self.server.limits.max_body

@@ -533,7 +533,6 @@ def test_a_request_arriving_mid_batch_is_answered_while_the_batch_still_runs(ser
     ({"functions": [{"name": "f"}]}, "functions", "no function calling"),
     ({"tool_choice": "auto"}, "tool_choice", "can only be \"none\""),
     ({"response_format": {"type": "json_object"}}, "response_format", "cannot be constrained to JSON"),
-    ({"model": "gpt-4o"}, "model", "is not served here"),
     ({"store": True}, "store", "stores nothing"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction", "'prediction' is not supported"),
     ({"stop": 5}, "stop", "'stop' must be"),
@@ -541,6 +540,11 @@ def test_a_request_arriving_mid_batch_is_answered_while_the_batch_still_runs(ser
     ({"top_logprobs": 3}, "top_logprobs", "needs 'logprobs': true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
     ({"logit_bias": {"hello": 5}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"²": 5}}, "logit_bias", "token ids"),  # "²".isdigit(), int("²") raises: the connection closed
+    ({"logit_bias": {"١": 5}}, "logit_bias", "token ids"),  # Arabic-Indic one: was silently token 1
+    ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages", "has 'name'"),
+    ({"messages": [{"role": "user", "content": "hi", "content_parts": [{"type": "text", "text": "x"}]}]}, "messages",
+     "only assistant messages"),
     ({"logit_bias": {"3": 101}}, "3", "between -100 and 100"),
     ({"presence_penalty": 3}, "presence_penalty", "between -2 and 2"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "with \"stream\": true"),
@@ -553,6 +557,36 @@ def test_unsupported_parameters_are_refused_by_name(server, extra, param, messag
     error = json.loads(text)["error"]
     assert (status, error["param"]) == (400, param), text
     assert message in error["message"]
+
+
+def test_an_unknown_model_is_404_model_not_found_and_name_is_not_function_calling(server):
+    status, _, text = request(server, "POST", "/v1/chat/completions", {"messages": USER, "model": "gpt-4o"})
+    error = json.loads(text)["error"]
+    assert (status, error["code"], error["param"]) == (404, "model_not_found", "model")
+    assert "is not served here" in error["message"]
+    status, _, text = request(server, "POST", "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "hi", "name": "ann"}]})
+    assert status == 400 and "function calling" not in json.loads(text)["error"]["message"]
+
+
+def raw_exchange(server, head, body=b""):
+    """The raw bytes a hand-written request gets back, up to the server closing the connection."""
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=TIMEOUT) as client:
+        client.sendall(head + b"\r\n\r\n" + body)
+        reply = b""
+        while chunk := client.recv(1 << 16):
+            reply += chunk
+    return reply.decode()
+
+
+@pytest.mark.parametrize("lengths, status", [([b"2", b"2"], 400), ([b"\xb2"], 411)], ids=["two", "superscript"])
+def test_a_bad_content_length_is_a_json_error(server, lengths, status):
+    # headers are read as latin-1: b"\xb2" is "²", which str.isdigit() takes and int() refuses
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json" + b"".join(
+        b"\r\nContent-Length: " + length for length in lengths)
+    reply = raw_exchange(server, head, b"{}")
+    assert reply.startswith(f"HTTP/1.1 {status} ") or reply.startswith(f"HTTP/1.0 {status} "), reply
+    assert "Content-Length" in json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["message"]
 
 
 def test_null_parameters_and_echoed_null_fields_are_accepted(server):
@@ -889,7 +923,7 @@ def test_the_official_openai_client(server, tokenizer):
     with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
         client.chat.completions.create(model="nanopost", messages=USER, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
-    with pytest.raises(openai.BadRequestError, match="is not served here"):
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
         client.chat.completions.create(model="gpt-4o", messages=USER)
 
     async def many():
