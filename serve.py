@@ -447,9 +447,16 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             self.server.unwatch(self)
 
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (414: request line too long, 431: too many or too long headers, 400: a bad
+        request line, ...) as JSON, like every other error; the connection closes, as http.server's do."""
+        self.close_connection = True
+        self.send_json(code, ApiError(code, message or self.responses.get(code, ("error",))[0]).body())
+
     def end_headers(self):
         origin = self.server.cors_origin
-        if origin is not None and origin in ("*", self.headers.get("Origin")):
+        headers = getattr(self, "headers", None) or {}  # none yet when the request line itself was refused
+        if origin is not None and origin in ("*", headers.get("Origin")):
             self.send_header("Access-Control-Allow-Origin", origin)
             self.send_header("Vary", "Origin")
         super().end_headers()
@@ -913,7 +920,8 @@ const MARKS = {"<|python_start|>": "python", "<|python_end|>": "text",
                "<|output_start|>": "python_output", "<|output_end|>": "text"};
 const NOTES = {length: "Cut off: the reply reached the token limit. It is not part of the conversation.",
                stopped: "Stopped. This reply is not part of the conversation.",
-               interrupted: "Interrupted: the connection to the server broke off. This reply is not part of the conversation."};
+               interrupted: "Interrupted: the connection to the server broke off. This reply is not part of the conversation.",
+               unreachable: "Could not reach the server: is it running? Your message is back in the box, unsent."};
 keyInput.value = sessionStorage.getItem("nanopost-key") || "";
 keyBox.hidden = !keyInput.value;
 keyInput.addEventListener("change", () => sessionStorage.setItem("nanopost-key", keyInput.value));
@@ -994,13 +1002,14 @@ async function send() {
   const userDiv = addMessage("user", text);
   const div = addMessage("assistant busy", "");
   render(div, []);
-  let outcome = "stop", error = null, raw = "";
+  let outcome = "stop", error = null, raw = "", reached = false;
   try {
     const headers = {"Content-Type": "application/json"};
     if (keyInput.value) headers["Authorization"] = "Bearer " + keyInput.value;
     const response = await fetch("/v1/chat/completions", {method: "POST", headers, signal: controller.signal,
       body: JSON.stringify({messages, stream: true, raw_tokens: true,
                             temperature: parseFloat(document.getElementById("temperature").value)})});
+    reached = true;
     if (!response.ok) throw new ServerError((await response.json()).error, response.status);
     const result = await readStream(response, div);
     raw = result.raw;
@@ -1008,7 +1017,8 @@ async function send() {
   } catch (e) {
     if (e.name === "AbortError") outcome = "stopped";
     else if (e instanceof ServerError) { outcome = "error"; error = e; }
-    else outcome = "interrupted";  // the stream broke: a network error, or a server killed mid-reply
+    // fetch itself failing is a refused connection; after the response it is a broken stream (a server killed)
+    else outcome = reached ? "interrupted" : "unreachable";
   }
   div.classList.remove("busy");
   if (outcome === "stop") {

@@ -589,6 +589,16 @@ def test_a_bad_content_length_is_a_json_error(server, lengths, status):
     assert "Content-Length" in json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["message"]
 
 
+@pytest.mark.parametrize("head, status", [
+    (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\nHost: 127.0.0.1", 414),  # http.server's 65,536-byte request line
+    (b"GET / HTTP/1.1\r\nHost: 127.0.0.1" + b"".join(b"\r\nX-%d: 1" % i for i in range(101)), 431),  # > 100
+])
+def test_http_servers_own_refusals_are_json_too(server, head, status):
+    reply = raw_exchange(server, head)
+    assert reply.startswith(f"HTTP/1.1 {status} ") or reply.startswith(f"HTTP/1.0 {status} "), reply[:200]
+    assert json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["message"]
+
+
 def test_null_parameters_and_echoed_null_fields_are_accepted(server):
     # what clients send for "not given", and what a reply message echoes back
     reply = chat(server, messages=USER, max_tokens=3, tools=None, response_format={"type": "text"}, user="u1",
