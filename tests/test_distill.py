@@ -186,6 +186,22 @@ def test_answers_the_verifier_failed_on_are_still_distilled(checkpoints, tokeniz
     assert sum(trained) == sum(n for n, _ in sampled)
 
 
+@pytest.mark.parametrize("full_vocab", [False, True], ids=["sampled", "full-vocab"])
+def test_the_teacher_runs_without_autograd(tokenizer, full_vocab):
+    student, teacher = make_model(tokenizer), make_model(tokenizer, seed=1)  # the teacher's weights still need grad
+    graph = []  # whether each teacher module's output was recorded for autograd
+    for module in teacher.modules():
+        module.register_forward_hook(lambda m, inputs, output: graph.append(
+            torch.is_tensor(output) and output.requires_grad))
+    task = tasks.SyntheticTask("train", size=2)
+    rendered = [tokenizer.render_conversation(task[i]) for i in range(2)]
+    micro = collate_rollouts([(ids, mask, [0.0] * len(ids), 0.0) for ids, mask in rendered], tokenizer.bos_id, "cpu")
+    loss, _, _ = distill.distill_loss(student, teacher, micro, 1.0, full_vocab, float(micro["mask"].sum()))
+    loss.backward()
+    assert graph and not any(graph)
+    assert all(p.grad is None for p in teacher.parameters())
+
+
 DDP_DRIVER = """
 import hashlib, os, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
