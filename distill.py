@@ -239,7 +239,9 @@ def main(argv=None):
                                             args.max_tokens, sampling, seed=mix_seed(args.seed, step),
                                             filter_zero_contrast=False, max_rounds=1, rank=rank,
                                             world_size=world_size)
-        rows = learner_rows(groups, group_rewards(groups)[0].tolist(), mask_truncated=False)
+        # The reverse KL never reads the verifier: an answer it failed on (group["errors"]) is trained like any other.
+        rows = learner_rows([{**g, "errors": [False] * len(g["rewards"])} for g in groups],
+                            group_rewards(groups)[0].tolist(), mask_truncated=False)
         batches, _ = token_budget_batches([[len(row[0]) - 1] for row in rows], args.device_batch_tokens)
         micros = [collate_rollouts([rows[i] for i in batch], pad_id, device) for batch in batches]
         count = torch.tensor(sum(float(m["mask"].sum()) for m in micros), dtype=torch.float64, device=device)

@@ -58,11 +58,11 @@ KTO_STAT_NAMES = ("loss", "kl", "rewards/desirable", "rewards/undesirable", "rew
 #   sigmoid_norm  beta 5: Tulu 3 (Lambert et al. 2024), length-normalised DPO.
 #   simpo         beta 2, gamma 1: SimPO (Meng et al. 2024) tunes beta in 2-2.5 with gamma / beta around 0.5.
 #   orpo          beta (the paper's lambda) 0.1: ORPO (Hong et al. 2024); its loss has its own NLL term, so no RPO term.
-#   kto           beta 0.1, lambda_D = lambda_U = 1: KTO (Ethayarajh et al. 2024), for balanced data; the paper
-#                 recommends lambda_D n_D / (lambda_U n_U) in [1, 4/3] (printed at start).
+#   kto           beta 0.1, lambda_D = lambda_U = 1, no NLL term: KTO (Ethayarajh et al. 2024), for balanced data;
+#                 the paper recommends lambda_D n_D / (lambda_U n_U) in [1, 4/3] (kto_weight_warning at start).
 LOSS_DEFAULTS = {"sigmoid_norm": dict(beta=5.0), "simpo": dict(beta=2.0, gamma=1.0),
                  "orpo": dict(beta=0.1, sft_weight=0.0),
-                 "kto": dict(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0)}
+                 "kto": dict(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, sft_weight=0.0)}
 
 
 def resolve_loss_defaults(args):
@@ -209,6 +209,20 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
 def log1mexp(x):
     """log(1 - e^x) for x <= 0, with 1 - e^x kept >= 1e-6 (ORPO's log(1 - P))."""
     return torch.log(-torch.expm1(x.clamp(max=math.log1p(-1e-6))))
+
+
+def kto_weight_warning(desirable_weight, undesirable_weight, n_desirable, n_undesirable):
+    """
+    None when lambda_D n_D / (lambda_U n_U) lies in [1, 4/3], KTO's recommended range (Ethayarajh et al. 2024,
+    section 4.2); else a warning naming the lambda_D that brings it to the nearer end, lambda_U kept.
+    """
+    ratio = desirable_weight * n_desirable / max(undesirable_weight * n_undesirable, 1)
+    if 1 <= ratio <= 4 / 3 or n_desirable == 0:
+        return None
+    target = 1 if ratio < 1 else 4 / 3
+    suggested = target * undesirable_weight * n_undesirable / n_desirable
+    return (f"warning: KTO's lambda_D n_D / (lambda_U n_U) = {ratio:.2f} is outside the paper's [1, 4/3]; "
+            f"--desirable-weight {suggested:.3g} --undesirable-weight {undesirable_weight:g} makes it {target:.2f}")
 
 
 def kto_loss(policy_logps, ref_logps, desirable, kl, beta, desirable_weight=1.0, undesirable_weight=1.0):
@@ -542,6 +556,9 @@ def main(argv=None):
         print0(f"kto: lambda_D {args.desirable_weight:g}, lambda_U {args.undesirable_weight:g} (paper default 1, 1); "
                f"{n_d:.0f} desirable, {n_u:.0f} undesirable answers: lambda_D n_D / (lambda_U n_U) = "
                f"{args.desirable_weight * n_d / max(args.undesirable_weight * n_u, 1):.2f} (paper: keep in [1, 4/3])")
+        warning = kto_weight_warning(args.desirable_weight, args.undesirable_weight, n_d, n_u)
+        if warning:
+            print0(warning)
 
     if args.batch_size % world_size:
         raise ValueError(f"--batch-size {args.batch_size} is not a multiple of the {world_size} ranks")

@@ -26,6 +26,7 @@ the CPU default.
 
 import argparse
 import ast
+import math
 import operator
 import re
 import sys
@@ -273,6 +274,15 @@ class StaticKVCache:
 # The sampling distribution
 
 
+MIN_TEMPERATURE = 1e-4  # below it sampling is greedy: logits / temperature would overflow float32 (1e-38 does), and
+# at 1e-4 a token whose logit is 0.001 below the top one is already e^-10 as likely
+
+
+def is_greedy(temperature):
+    """Whether `temperature` samples the argmax (sampling_logprobs's delta distribution): 0, or below MIN_TEMPERATURE."""
+    return temperature < MIN_TEMPERATURE
+
+
 def check_sampling(temperature, top_k, top_p):
     """A clear error for settings that define no distribution."""
     if temperature < 0:
@@ -286,15 +296,15 @@ def check_sampling(temperature, top_k, top_p):
 def sampling_logits(logits, temperature=1.0, top_k=None, top_p=None):
     """
     The logits (..., V) of the distribution the engine samples from, given the model's logits (..., V), for
-    temperature > 0: logits / temperature, with -inf at the tokens top_k / top_p remove:
+    temperature >= MIN_TEMPERATURE: logits / temperature, with -inf at the tokens top_k / top_p remove:
         p = softmax(logits / temperature) restricted to the kept tokens and renormalised,
     kept tokens = the top_k largest (ties with the k-th are kept too), then of those the nucleus: the smallest
     set of most likely tokens whose probability sums to >= top_p (the most likely token is always kept).
     sampling_logprobs normalises them; sample_tokens samples from them.
     """
     check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        raise ValueError("sampling_logits needs temperature > 0 (0 is greedy: the argmax)")
+    if is_greedy(temperature):
+        raise ValueError(f"sampling_logits needs temperature >= {MIN_TEMPERATURE} (below it is greedy: the argmax)")
     logits = logits.float()
     if temperature != 1:
         logits = logits / temperature
@@ -305,8 +315,9 @@ def sampling_logits(logits, temperature=1.0, top_k=None, top_p=None):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         mass_before = probs.cumsum(-1) - probs  # probability of the strictly more likely tokens
-        # mass_before of the top token is 0 < top_p: it is always kept
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        removed = mass_before >= top_p
+        removed[..., 0] = False  # the top token is always kept, even where top_p rounds to 0 in float32 (1e-46)
+        sorted_logits = sorted_logits.masked_fill(removed, float("-inf"))
         logits = sorted_logits.scatter(-1, order, sorted_logits)  # back to vocabulary order
     return logits
 
@@ -314,12 +325,12 @@ def sampling_logits(logits, temperature=1.0, top_k=None, top_p=None):
 def sampling_logprobs(logits, temperature=1.0, top_k=None, top_p=None):
     """
     Log-probabilities (..., V) of the distribution the engine samples from (sampling_logits), given logits (..., V);
-    removed tokens get -inf. temperature=0 is greedy: the delta distribution on the argmax (log-prob 0.0 there,
-    -inf elsewhere), so a greedy token's log-prob is 0.0. The RL learner (rollout.token_logprobs) re-scores the
+    removed tokens get -inf. temperature=0 (or below MIN_TEMPERATURE) is greedy: the delta distribution on the argmax
+    (log-prob 0.0 there, -inf elsewhere), so a greedy token's log-prob is 0.0. The RL learner (rollout.token_logprobs) re-scores the
     engine's samples with it: one definition of the distribution, so the two agree to float rounding.
     """
     check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
+    if is_greedy(temperature):
         logits = logits.float()
         greedy = F.one_hot(logits.argmax(-1), logits.size(-1)).bool()
         return torch.zeros_like(logits).masked_fill(~greedy, float("-inf"))
@@ -345,19 +356,26 @@ def sample_tokens(logits, uniforms):
     cdf = (logits - top).exp_().cumsum_(-1)  # (B, V), non-decreasing: float addition of non-negative terms is monotone
     total = cdf[:, -1:]  # (B, 1)
     tokens = torch.searchsorted(cdf, uniforms[:, None] * total)  # (B, 1), first i with c_i >= u c_V
+    tokens = tokens.clamp_(max=cdf.size(-1) - 1)  # a row with NaN has no such i: still an index (draw marks the row)
     logprobs = logits.gather(1, tokens) - top - total.log()  # (B, 1)
     return tokens.squeeze(1), logprobs.squeeze(1)
 
 
 def draw(logits, sampling, uniforms):
     """
-    The engine's tokens (B,) for logits (B, V) and their log-probs (B,) under `sampling` (a Sampling): at temperature
-    0 the argmax, log-prob 0.0 (sampling_logprobs's delta); otherwise sample_tokens from sampling_logits at uniforms
-    (B,), drawn in (0, 1] (None at temperature 0).
+    The engine's tokens (B,) for logits (B, V) and their log-probs (B,) under `sampling` (a Sampling): when greedy
+    (temperature 0 or below MIN_TEMPERATURE) the argmax, log-prob 0.0 (sampling_logprobs's delta); otherwise
+    sample_tokens from sampling_logits at uniforms (B,), drawn in (0, 1] (None when greedy).
+    Total: every token is a vocabulary index. A row with no distribution (a NaN or +inf logit, or none finite: a
+    broken model or logit_bias) gets token 0 and log-prob NaN, which the caller turns into that row's error.
     """
-    if sampling.temperature == 0:
-        return logits.argmax(-1), torch.zeros(logits.size(0), device=logits.device)
-    return sample_tokens(sampling_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), uniforms)
+    if is_greedy(sampling.temperature):
+        tokens, logprobs = logits.argmax(-1), torch.zeros(logits.size(0), device=logits.device)
+    else:
+        logits = sampling_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        tokens, logprobs = sample_tokens(logits, uniforms)
+    undefined = ~torch.isfinite(logits.amax(-1))  # (B,): amax is NaN where any logit is
+    return tokens.masked_fill(undefined, 0), logprobs.masked_fill(undefined, float("nan"))
 
 
 # -----------------------------------------------------------------------------
@@ -442,7 +460,8 @@ class Completion:
     tokens: list = field(default_factory=list)
     mask: list = field(default_factory=list)  # 1: sampled by the model, 0: forced tool output
     logprobs: list = field(default_factory=list)  # sampled: log-prob under sampling_logprobs(...); forced: 0.0
-    finish: str | None = None  # "stop" (emitted a stop token) or "length" (hit max_tokens); None while generating
+    finish: str | None = None  # "stop" (emitted a stop token) or "length" (hit max_tokens); None while generating;
+    # "error" in a DecodeBatch when a row of its request had no distribution to sample (Engine.generate raises)
     # (a caller of DecodeBatch may also set it, to end a row early)
 
 
@@ -554,7 +573,7 @@ class Engine:
         rows = [_Row() for _ in range(len(prompts) * num_samples)]
         decoding = list(range(len(rows)))  # the rows the eager step's cache holds, in its order
         while True:
-            uniforms = None if sampling.temperature == 0 else \
+            uniforms = None if is_greedy(sampling.temperature) else \
                 1 - torch.rand(logits.size(0), generator=generator, device=device)  # (B,) in (0, 1]
             sampled, sampled_logprobs = draw(logits, sampling, uniforms)  # (B,), (B,)
             # One device-to-host transfer per step: token ids (exact in float32 below 2^24) and log-probs together.
@@ -563,6 +582,9 @@ class Engine:
             for i, (row, token, logprob) in enumerate(zip(rows, tokens, token_logprobs)):
                 if row.completion.finish is None:
                     self._step_row(row, int(token), logprob, max_tokens)
+                    if row.completion.finish == "error":
+                        raise RuntimeError(f"row {i}'s next-token logits are not finite (NaN or inf): the model's "
+                                           "weights or activations are broken")
                     if row.completion.mask[-1] == 0:
                         forced.append((i, row.completion.tokens[-1]))
             yield [row.completion for row in rows]
@@ -630,11 +652,14 @@ class Engine:
         """
         Append one token to an unfinished row: the next forced tool-output token if any is queued (mask 0,
         log-prob 0.0), else the sampled one. Closing a calculator call queues its output; a stop token or
-        max_tokens finishes the row.
+        max_tokens finishes the row; a NaN log-prob (draw's undefined row) finishes it as "error".
         """
         c = row.completion
         if row.forced:
             token, mask, logprob = row.forced.popleft(), 0, 0.0
+        elif math.isnan(logprob):  # draw found no distribution in the row's logits: the row fails, nothing appended
+            c.finish = "error"
+            return
         else:
             token, mask = sampled, 1
         c.tokens.append(token)
@@ -849,6 +874,11 @@ class Request:
     def completions(self):
         return [row.completion for row in self.rows]
 
+    @property
+    def failed(self):
+        """Whether a row had no distribution to sample (draw's NaN): then every row of the request ends "error"."""
+        return any(c.finish == "error" for c in self.completions)
+
 
 class DecodeBatch:
     """
@@ -982,16 +1012,22 @@ class DecodeBatch:
         tokens, token_logprobs = torch.stack([step_ids.float(), step_logprobs]).tolist()
         forced = []
         for row, (slot, token, logprob) in enumerate(zip(self.slots, tokens, token_logprobs)):
-            if slot is None:
+            if slot is None or slot[0].failed:
                 continue
             request, s = slot
             completion = request.rows[s].completion
             self.engine._step_row(request.rows[s], int(token), logprob, request.max_tokens)
+            if completion.finish == "error":  # the whole request fails (Request.failed); its rows stop here
+                for other in request.completions:
+                    other.finish = other.finish or "error"
+                continue
             if completion.mask[-1] == 0:
                 forced.append((row, completion.tokens[-1]))
             if request._counts is not None:
                 request._counts[s, completion.tokens[-1]] += 1
         for request, samples, top in tops:
+            if request.failed:
+                continue
             for s, values, indices in zip(samples, top.values.tolist(), top.indices.tolist()):
                 sampled_here = request.rows[s].completion.mask[-1] == 1
                 request.top[s].append([(t, v) for t, v in zip(indices, values) if v > float("-inf")]

@@ -127,7 +127,7 @@ def main(argv=None):
                            seed="data order and sampling seed",
                            ckpt="SFT checkpoint whose trunk starts the reward model (default: checkpoints/sft)",
                            out="output folder (default: $NANOPOST_HOME/checkpoints/rm)",
-                           resume="exit at once if --out already holds a finished reward model")
+                           resume="continue from the latest checkpoint in --out (exit at once if it is finished)")
     add("--pairs", choices=["self-generated", "synthetic", "ultrafeedback"],
         help="self-generated: SFT samples labelled by --task's verifier; synthetic: reference vs. scripted mistake; "
              "ultrafeedback: UltraFeedback-binarized")
@@ -162,8 +162,8 @@ def main(argv=None):
     stage_start = time.time()
     ddp, rank, local_rank, world_size, device = compute_init(args.device, args.seed)
     out_dir = args.out or common.checkpoint_dir("rm")
-    # rm.py saves only its final checkpoint: --resume exits if it is there, and trains from scratch otherwise.
-    if common.resume_or_finish(out_dir, args.resume, "rm") is common.FINISHED:
+    resume = common.resume_or_finish(out_dir, args.resume, "rm")  # the step folder to continue from, or None
+    if resume is common.FINISHED:
         return
     gpt, tokenizer, sft_meta = load_model(args.ckpt or common.checkpoint_dir("sft"), device)
     model = ScalarHeadModel(gpt).to(device)
@@ -196,16 +196,24 @@ def main(argv=None):
         return
 
     evaluate = partial(evaluate_pairs, model, eval_pairs, args.device_batch_size, args.center_coef, pad_id, device)
-    history = [{"step": 0, **evaluate()}]
-    print0(f"step 0: held-out accuracy {history[0]['accuracy']:.1%} (the zero head ties every pair: 50%)")
+    start_step, logger = 0, common.Logger(args.run, vars(args))
+    if resume:  # the pairs above are rebuilt as before (seeded); the weights, optimizers and curves come back
+        state, _, extra = common.load_checkpoint(resume, device=device)
+        model.load_state_dict(state)
+        common.load_optimizers(optimizers, extra["optimizers"])
+        start_step, history = extra["step"], extra["history"]
+        logger.series.update(extra["curves"])
+        print0(f"resuming from step {start_step}")
+    else:
+        history = [{"step": 0, **evaluate()}]
+        print0(f"step 0: held-out accuracy {history[0]['accuracy']:.1%} (the zero head ties every pair: 50%)")
+        logger.log({f"val/{k}": v for k, v in history[0].items() if k != "step"}, 0)
     learner = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None) if ddp \
         else model
-    logger = common.Logger(args.run, vars(args))
-    logger.log({f"val/{k}": v for k, v in history[0].items() if k != "step"}, 0)
     micro_steps = pairs_per_rank // args.device_batch_size
     order = torch.randperm(len(train_pairs), generator=torch.Generator().manual_seed(args.seed)).tolist()
     t0 = time.time()
-    for step in range(num_steps):
+    for step in range(start_step, num_steps):
         common.set_lr(optimizers, 1.0 - step / num_steps)
         stats = torch.zeros(2, device=device)  # loss, correct
         for m in range(micro_steps):
@@ -230,8 +238,15 @@ def main(argv=None):
             log.update({f"val/{k}": v for k, v in history[-1].items() if k != "step"})
             line += (f" | val loss {log['val/loss']:.4f} acc {log['val/accuracy']:.1%} "
                      f"margin {log['val/margin']:+.3f} score {log['val/score']:+.3f}")
-        print0(line + f" | eta {format_eta((time.time() - t0) / (step + 1) * (num_steps - step - 1))}")
+        print0(line + f" | eta {format_eta((time.time() - t0) / (step + 1 - start_step) * (num_steps - step - 1))}")
         logger.log(log, step + 1)
+        if common.preempted(device) and step + 1 < num_steps:  # SIGTERM/SIGINT: keep this step's work, see common.py
+            if rank == 0:
+                common.save_checkpoint(out_dir, step + 1, model, {"stage": "rm", "finished": False},
+                                       tokenizer=tokenizer, extra={"step": step + 1, "history": history,
+                                                                   "optimizers": [o.state_dict() for o in optimizers],
+                                                                   "curves": logger.series})
+            common.exit_preempted(out_dir)
 
     before, after = history[0], history[-1]
     print0(f"held-out pair accuracy {before['accuracy']:.1%} -> {after['accuracy']:.1%}, margin "
@@ -251,4 +266,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_cli(main)
+    common.run_cli(main, preemptible=True)

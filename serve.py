@@ -49,6 +49,7 @@ import hmac
 import ipaddress
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -178,16 +179,27 @@ def read_messages(messages):
             raise ApiError(400, f"message {i} must be an object with 'role' and 'content', got {json.dumps(m)}",
                            "messages")
         extra = sorted(k for k, v in m.items() if k not in MESSAGE_FIELDS and v not in (None, [], ""))
-        if m.get("role") == "tool" or extra:
+        if m.get("role") == "tool" or "tool_calls" in extra or "function_call" in extra:
             what = "has role 'tool'" if m.get("role") == "tool" else f"has {extra[0]!r}"
             raise ApiError(400, f"message {i} {what}, which this server does not support: {NO_TOOLS}", "messages")
+        if extra:
+            raise ApiError(400, f"message {i} has {extra[0]!r}, which this server does not support: a message is "
+                                "'role' and 'content' (assistant messages may add 'content_parts')", "messages")
         role, content = ROLES.get(m.get("role"), m.get("role")), m.get("content")
+        if role != "assistant" and m.get("content_parts") is not None:
+            raise ApiError(400, f"message {i} has 'content_parts' with role {m.get('role')!r}: only assistant "
+                                "messages carry them (the model's own tool calls)", "messages")
         if role == "assistant" and m.get("content_parts") is not None:
             content = m["content_parts"]
         elif role == "assistant" and isinstance(content, str):
             content = reply_parts(content)
         turns.append({"role": role, "content": content})
     return {"messages": turns}
+
+
+def ascii_digits(text):
+    """Whether text is a non-negative decimal integer in ASCII digits (str.isdigit() also takes '²' and '١')."""
+    return isinstance(text, str) and re.fullmatch(r"[0-9]+", text) is not None
 
 
 def parse_request(body, tokenizer, context, limits):
@@ -204,7 +216,7 @@ def parse_request(body, tokenizer, context, limits):
                                                                                  else ""), key)
     model = body.get("model")
     if model is not None and model != limits.model_name and model not in limits.aliases and "*" not in limits.aliases:
-        raise ApiError(400, f"model {json.dumps(model)} is not served here; this server serves {limits.model_name!r}"
+        raise ApiError(404, f"model {json.dumps(model)} is not served here; this server serves {limits.model_name!r}"
                             + (f" (also answering to {', '.join(map(repr, limits.aliases))})" if limits.aliases
                                else "") + " (--model-alias adds names)", "model", code="model_not_found")
     response_format = body.get("response_format")
@@ -267,7 +279,7 @@ def parse_request(body, tokenizer, context, limits):
                             "entries", "logit_bias")
     bias = {}
     for token, value in logit_bias.items():
-        if not token.isdigit() or int(token) >= tokenizer.vocab_size:
+        if not ascii_digits(token) or int(token) >= tokenizer.vocab_size:
             raise ApiError(400, f"'logit_bias' has key {token!r}; keys are token ids of this model's tokenizer, "
                                 f"0 to {tokenizer.vocab_size - 1}", "logit_bias")
         bias[int(token)] = _number(logit_bias, token, 0, -100, 100)
@@ -335,7 +347,7 @@ class Worker:
                 if self.stopping:
                     break
                 new = self.admit()
-            try:
+            try:  # a failing prefill answers only the new requests: add() changes the batch only when it returns
                 with common.autocast_ctx(self.device):
                     if new:
                         self.batch.add([job.request for job in new])
@@ -343,20 +355,28 @@ class Worker:
                         self.stats["joined_running"] += len(new) if self.running else 0
                         self.running += new
                         self.stats["largest_batch"] = max(self.stats["largest_batch"], len(self.running))
+            except Exception as e:
+                self.fail(new, e)
+            try:  # a failing step leaves the batch in no known state: its requests are answered 500, it starts anew
+                with common.autocast_ctx(self.device):
                     self.finish_early()
                     self.batch.step()
                 self.stats["steps"] += 1
                 self.send()
-            except Exception as e:  # a failure answers the running requests with 500; the worker goes on
-                traceback.print_exc()
-                self.stats["errors"] += 1
-                error = ApiError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
-                for job in self.running + [job for job in new if job not in self.running]:
-                    job.put(("error", error))
+            except Exception as e:
+                self.fail(self.running, e)
                 self.running, self.batch = [], DecodeBatch(self.engine)
         for job in self.running:
             job.put(("error", ApiError(503, "the server is shutting down; the reply is incomplete",
                                        kind="server_error")))
+
+    def fail(self, jobs, e):
+        """Answer `jobs` with a 500 naming the exception; the worker goes on with the others."""
+        traceback.print_exc()
+        self.stats["errors"] += 1
+        error = ApiError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error")
+        for job in jobs:
+            job.put(("error", error))
 
     def finish_early(self):
         """Finish the rows nobody reads any more (client gone) or whose text reached a stop string."""
@@ -371,6 +391,11 @@ class Worker:
         for job in self.running:
             completions = job.request.completions
             if job.cancelled:
+                continue
+            if job.request.failed:  # its own rows only: the batch's other rows decoded this step as usual
+                self.stats["errors"] += 1
+                job.put(("error", ApiError(500, "generation failed: the model's next-token logits for this request "
+                                                "are not finite (NaN or inf)", kind="server_error")))
                 continue
             new, entries = [], []
             for s, c in enumerate(completions):
@@ -422,9 +447,16 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             self.server.unwatch(self)
 
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (414: request line too long, 431: too many or too long headers, 400: a bad
+        request line, ...) as JSON, like every other error; the connection closes, as http.server's do."""
+        self.close_connection = True
+        self.send_json(code, ApiError(code, message or self.responses.get(code, ("error",))[0]).body())
+
     def end_headers(self):
         origin = self.server.cors_origin
-        if origin is not None and origin in ("*", self.headers.get("Origin")):
+        headers = getattr(self, "headers", None) or {}  # none yet when the request line itself was refused
+        if origin is not None and origin in ("*", headers.get("Origin")):
             self.send_header("Access-Control-Allow-Origin", origin)
             self.send_header("Vary", "Origin")
         super().end_headers()
@@ -531,8 +563,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def read_request(self):
         """The Job and flags of the request body; ApiError for a bad one; ConnectionError if it is cut short."""
-        if self.headers.get("Transfer-Encoding") is not None or not (self.headers.get("Content-Length") or
-                                                                     "").isdigit():
+        if len(self.headers.get_all("Content-Length") or []) > 1:  # which one frames the body is ambiguous
+            self.close_connection = True
+            raise ApiError(400, "the request has more than one Content-Length header; send one")
+        if self.headers.get("Transfer-Encoding") is not None or not ascii_digits(self.headers.get("Content-Length")):
             self.close_connection = True
             raise ApiError(411, "send the JSON body with a Content-Length header (no chunked request bodies)")
         length, limit = int(self.headers["Content-Length"]), self.server.limits.max_body
@@ -886,7 +920,8 @@ const MARKS = {"<|python_start|>": "python", "<|python_end|>": "text",
                "<|output_start|>": "python_output", "<|output_end|>": "text"};
 const NOTES = {length: "Cut off: the reply reached the token limit. It is not part of the conversation.",
                stopped: "Stopped. This reply is not part of the conversation.",
-               interrupted: "Interrupted: the connection to the server broke off. This reply is not part of the conversation."};
+               interrupted: "Interrupted: the connection to the server broke off. This reply is not part of the conversation.",
+               unreachable: "Could not reach the server: is it running? Your message is back in the box, unsent."};
 keyInput.value = sessionStorage.getItem("nanopost-key") || "";
 keyBox.hidden = !keyInput.value;
 keyInput.addEventListener("change", () => sessionStorage.setItem("nanopost-key", keyInput.value));
@@ -967,13 +1002,14 @@ async function send() {
   const userDiv = addMessage("user", text);
   const div = addMessage("assistant busy", "");
   render(div, []);
-  let outcome = "stop", error = null, raw = "";
+  let outcome = "stop", error = null, raw = "", reached = false;
   try {
     const headers = {"Content-Type": "application/json"};
     if (keyInput.value) headers["Authorization"] = "Bearer " + keyInput.value;
     const response = await fetch("/v1/chat/completions", {method: "POST", headers, signal: controller.signal,
       body: JSON.stringify({messages, stream: true, raw_tokens: true,
                             temperature: parseFloat(document.getElementById("temperature").value)})});
+    reached = true;
     if (!response.ok) throw new ServerError((await response.json()).error, response.status);
     const result = await readStream(response, div);
     raw = result.raw;
@@ -981,7 +1017,8 @@ async function send() {
   } catch (e) {
     if (e.name === "AbortError") outcome = "stopped";
     else if (e instanceof ServerError) { outcome = "error"; error = e; }
-    else outcome = "interrupted";  // the stream broke: a network error, or a server killed mid-reply
+    // fetch itself failing is a refused connection; after the response it is a broken stream (a server killed)
+    else outcome = reached ? "interrupted" : "unreachable";
   }
   div.classList.remove("busy");
   if (outcome === "stop") {

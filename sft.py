@@ -270,12 +270,14 @@ def held_out_coverage(model, tokenizer, task, args, device):
     return {"pass@1": result["pass@1"], f"pass@{k}": result[f"pass@{k}"], "truncated": result["truncated"]}
 
 
-def rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, out_dir, max_seq_len, logger):
+def rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, out_dir, max_seq_len, logger,
+                              resume=None):
     """
     --rft-rounds R of sample -> filter (rft_keep) -> one SFT pass over what was kept (see the docstring). Every rank
     samples its share of the prompts and trains on its own kept answers, the same number of steps on every rank (the
-    fewest a rank can fill). Logs each round's numbers at step = round (0: before the first) to `logger`. Returns
-    (the per-round records, held-out metrics before the first round).
+    fewest a rank can fill). Logs each round's numbers at step = round (0: before the first) to `logger`. A stop
+    signal ends the run after the round it arrives in, saved as step = rounds done; `resume` (that checkpoint)
+    continues with the next round. Returns (the per-round records, held-out metrics before the first round).
     """
     world_size = dist.get_world_size() if ddp else 1
     train_task = task_by_name(args.rft_task, "train", args.rft_prompts, args.seed)
@@ -284,19 +286,28 @@ def rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, o
     index = decontamination_index(args.preset, held_out) if args.decontaminate else None
     optimizers = model.setup_optimizers(matrix_lr=MATRIX_LR * args.lr_frac, embedding_lr=EMBEDDING_LR * args.lr_frac,
                                         unembedding_lr=UNEMBEDDING_LR * args.lr_frac)
+    history = []
+    if resume:  # the rounds a stopped run finished: their weights, optimizer state, records and curves
+        state, _, extra = common.load_checkpoint(resume, device=device)
+        model.load_state_dict(state)
+        for optimizer, optimizer_state in zip(optimizers, extra["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+        history, before = extra["history"], extra["before"]
+        logger.series.update(extra["curves"])
+        print0(f"resuming after round {len(history)}")
     train_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None) \
         if ddp else model
     replay_stream = replay_tokens(tokenizer, args.preset, dist.get_rank() if ddp else 0, world_size) \
         if args.replay_frac else None
     rows_per_rank = args.batch_size // world_size
-    before = held_out_coverage(model, tokenizer, test_task, args, device)
     k = args.rft_eval_samples
+    if not resume:
+        before = held_out_coverage(model, tokenizer, test_task, args, device)
+        logger.log({"eval/pass@1": before["pass@1"], "eval/pass@k": before[f"pass@{k}"]}, 0)
     print0(f"rft: {args.rft_rounds} rounds of {args.rft_samples} samples x {len(train_task)} {args.rft_task} "
            f"problems, <= {args.rft_keep} kept per problem | held-out pass@1 {before['pass@1']:.1%}, "
            f"pass@{k} {before[f'pass@{k}']:.1%}")
-    logger.log({"eval/pass@1": before["pass@1"], "eval/pass@k": before[f"pass@{k}"]}, 0)
-    history = []
-    for round_index in range(args.rft_rounds):
+    for round_index in range(len(history), args.rft_rounds):
         t0 = time.time()
         examples, counts, _ = preference_pairs(
             "self-generated", "train", args.rft_prompts, tokenizer, max_seq_len, engine=Engine(model, tokenizer),
@@ -332,6 +343,13 @@ def rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, o
                + (f", loss {record['train_loss']:.4f}" if losses else " (too few kept answers for a step)")
                + f" | held-out pass@1 {record['pass@1']:.1%}, pass@{k} {record[f'pass@{k}']:.1%} | "
                f"{record['sampled_tokens']:,} tokens sampled | {time.time() - t0:.0f}s")
+        if common.preempted(device) and round_index + 1 < args.rft_rounds:  # SIGTERM/SIGINT, see common.py
+            if not ddp or dist.get_rank() == 0:
+                common.save_checkpoint(out_dir, round_index + 1, model, {"stage": "rft", "finished": False},
+                                       tokenizer=tokenizer, extra={"optimizers": [o.state_dict() for o in optimizers],
+                                                                   "history": history, "before": before,
+                                                                   "curves": logger.series})
+            common.exit_preempted(out_dir)
     return history, before
 
 
@@ -342,8 +360,8 @@ def main(argv=None):
                            ckpt="base checkpoint to start from (default: checkpoints/base; --rft-rounds: "
                                 "checkpoints/sft)",
                            out="where to save (default: checkpoints/sft; --rft-rounds: checkpoints/rft)",
-                           resume="continue from the latest checkpoint in --out (--rft-rounds: exit if it is "
-                                  "finished, else start over)")
+                           resume="continue from the latest checkpoint in --out (--rft-rounds: after the last "
+                                  "round it saved)")
     parser.add_argument("--train-rows", type=int, help="rows of the main training source (tiny: synthetic, full: "
                         "SmolTalk; default: the preset's)")
     parser.add_argument("--num-steps", type=int, help="optimizer steps (default: one pass over the data)")
@@ -416,7 +434,7 @@ def main(argv=None):
     if args.rft_rounds:
         logger = common.Logger(args.run, vars(args))
         history, before = rejection_sampling_rounds(args, model, tokenizer, device, ddp, local_rank, out_dir,
-                                                    max_seq_len, logger)
+                                                    max_seq_len, logger, resume)
         logger.finish()
         if rank == 0:
             meta = {"stage": "rft", "finished": True, "preset": args.preset, "args": vars(args),

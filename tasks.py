@@ -887,6 +887,11 @@ class PromptMixture:
     def reward(self, conversation, completion):
         return self.tasks[conversation["source"]].reward(conversation, completion)
 
+    @property
+    def verifier_timeout(self):
+        """How long tasks.safe_reward lets a verifier run: its slowest source's (a judged one: the judge's budget)."""
+        return max(getattr(task, "verifier_timeout", 1.0) for task in self.tasks.values())
+
     def keep(self, positions):
         """The mixture restricted to `positions` (after decontamination or the difficulty filter)."""
         kept = PromptMixture.__new__(PromptMixture)

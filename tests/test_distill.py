@@ -152,6 +152,56 @@ def test_student_distilled_from_itself_logs_zero_kl(checkpoints, tmp_path):
     assert record["history"][-1]["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
+def test_answers_the_verifier_failed_on_are_still_distilled(checkpoints, tokenizer, tmp_path, monkeypatch):
+    import rollout
+    from conftest import ends_turn_sometimes
+
+    class BrokenVerifier(tasks.SyntheticTask):
+        def reward(self, conversation, completion):
+            raise RuntimeError("verifier down")
+
+    monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size, *a: BrokenVerifier(split, size=size))
+    sampled, trained = [], []  # (model-sampled tokens, verifier error) of each answer; tokens trained on
+    real_sample, real_loss = distill.sample_groups, distill.distill_loss
+
+    def sample_groups(*args, **kwargs):
+        groups, stats = real_sample(*args, **kwargs)
+        sampled.extend((sum(c.mask), error) for g in groups for c, error in zip(g["completions"], g["errors"]))
+        return groups, stats
+
+    def distill_loss(model, teacher, micro, *args):
+        trained.append(int(micro["mask"].sum()))
+        return real_loss(model, teacher, micro, *args)
+
+    monkeypatch.setattr(distill, "sample_groups", sample_groups)
+    monkeypatch.setattr(distill, "distill_loss", distill_loss)
+    _, teacher = checkpoints
+    student = tmp_path / "stops"  # a student whose answers often end within 8 tokens: the verifier is asked
+    save_checkpoint(student, 0, ends_turn_sometimes(make_model(tokenizer), tokenizer), {"stage": "sft"},
+                    tokenizer=tokenizer)
+    distill.main(FLAGS + ["--ckpt", str(student), "--teacher", str(teacher), "--out", str(tmp_path / "out"),
+                          "--num-steps", "1"])
+    # every stopped answer was a verifier error; all sampled tokens were trained on (the answers' ends included)
+    assert sum(n for n, error in sampled if error) > 0
+    assert sum(trained) == sum(n for n, _ in sampled)
+
+
+@pytest.mark.parametrize("full_vocab", [False, True], ids=["sampled", "full-vocab"])
+def test_the_teacher_runs_without_autograd(tokenizer, full_vocab):
+    student, teacher = make_model(tokenizer), make_model(tokenizer, seed=1)  # the teacher's weights still need grad
+    graph = []  # whether each teacher module's output was recorded for autograd
+    for module in teacher.modules():
+        module.register_forward_hook(lambda m, inputs, output: graph.append(
+            torch.is_tensor(output) and output.requires_grad))
+    task = tasks.SyntheticTask("train", size=2)
+    rendered = [tokenizer.render_conversation(task[i]) for i in range(2)]
+    micro = collate_rollouts([(ids, mask, [0.0] * len(ids), 0.0) for ids, mask in rendered], tokenizer.bos_id, "cpu")
+    loss, _, _ = distill.distill_loss(student, teacher, micro, 1.0, full_vocab, float(micro["mask"].sum()))
+    loss.backward()
+    assert graph and not any(graph)
+    assert all(p.grad is None for p in teacher.parameters())
+
+
 DDP_DRIVER = """
 import hashlib, os, sys
 sys.path[:0] = [{repo!r}, {tests!r}]

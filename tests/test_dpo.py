@@ -421,3 +421,19 @@ def test_loss_kind_paper_defaults():
     assert resolved("simpo") == (2.0, 1.0)  # SimPO: beta 2-2.5, gamma / beta ~0.5
     assert resolved("sigmoid") == (None, None)  # the preset's beta (0.1) fills it
     assert resolved("simpo", beta=2.5) == (2.5, 1.0)  # explicit flags win
+
+
+def test_kto_defaults_drop_the_presets_nll_term_and_warn_outside_the_papers_ratio():
+    flags = {"beta": None, "gamma": None, "desirable_weight": None, "undesirable_weight": None, "sft_weight": None,
+             "label_smoothing": 0.0, "live_reference": False}
+    args = argparse.Namespace(loss_type="kto", **flags)
+    dpo.resolve_loss_defaults(args)  # before the preset (tiny: sft_weight 1.0) fills what is left
+    assert dpo.PRESETS["tiny"]["sft_weight"] == 1.0 and args.sft_weight == 0.0
+    args = argparse.Namespace(loss_type="kto", **{**flags, "sft_weight": 0.5})
+    dpo.resolve_loss_defaults(args)
+    assert args.sft_weight == 0.5  # an explicit flag still wins
+    assert dpo.kto_weight_warning(1.0, 1.0, 100, 90) is None  # 1.11
+    low = dpo.kto_weight_warning(1.0, 1.0, 40, 100)  # 0.40: lambda_D 2.5 makes it 1
+    assert "0.40" in low and "--desirable-weight 2.5 --undesirable-weight 1" in low
+    high = dpo.kto_weight_warning(1.0, 2.0, 300, 100)  # 1.50: lambda_D 0.889 makes it 4/3
+    assert "1.50" in high and "--desirable-weight 0.889 " in high and "1.33" in high

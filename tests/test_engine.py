@@ -139,6 +139,44 @@ def test_sample_tokens_is_deterministic_and_handles_the_ends():
     assert tokens.tolist() == [1] and logprobs.item() == pytest.approx(-math.log1p(math.exp(-10)), abs=1e-6)
 
 
+def test_draw_is_total_and_an_undefined_row_is_marked_for_itself_only():
+    from engine import Sampling, draw
+
+    logits = LOGITS.expand(3, -1)
+    uniforms = torch.tensor([0.3, 0.6, 0.9])
+    # a temperature below the floor is greedy (1e-38 overflowed logits / temperature: token 5 = vocabulary size),
+    # and top-p keeps the top token even where top_p is 0 in float32 (1e-46 removed every token)
+    for sampling in (Sampling(temperature=1e-39), Sampling(temperature=1e-38, top_k=2), Sampling(top_p=1e-46),
+                     Sampling(temperature=0.5, top_p=1e-46)):
+        tokens, logprobs = draw(logits, sampling, uniforms)
+        assert tokens.tolist() == [1, 1, 1] and logprobs.tolist() == [0.0, 0.0, 0.0], sampling
+    assert_distribution(sampling_logprobs(LOGITS, temperature=1e-39), [0, 1, 0, 0, 0])
+    # rows with no distribution get token 0 and log-prob NaN; the healthy row draws what it draws alone
+    hostile = torch.stack([LOGITS.masked_fill(torch.arange(5) == 2, float("nan")), LOGITS, torch.full((5,), NEG_INF),
+                           LOGITS.masked_fill(torch.arange(5) == 4, float("inf"))])
+    uniforms = torch.tensor([0.5, 0.5, 0.5, 0.5])
+    for sampling in (Sampling(), Sampling(temperature=0), Sampling(temperature=0.7, top_k=3, top_p=0.9)):
+        tokens, logprobs = draw(hostile, sampling, uniforms)
+        alone_token, alone_logprob = draw(LOGITS[None], sampling, uniforms[:1])
+        assert tokens.tolist() == [0, alone_token.item(), 0, 0], sampling
+        assert [math.isnan(lp) for lp in logprobs.tolist()] == [True, False, True, True]
+        assert logprobs[1].item() == alone_logprob.item()
+
+
+def test_a_temperature_below_the_floor_generates_greedily(model, tokenizer, prompts):
+    engine = Engine(model, tokenizer)
+    greedy = engine.generate(prompts, max_tokens=8, temperature=0)
+    tiny = engine.generate(prompts, max_tokens=8, temperature=1e-39, seed=0)
+    assert [[c.tokens for c in p] for p in tiny] == [[c.tokens for c in p] for p in greedy]
+
+
+def test_a_non_finite_row_in_generate_is_a_clear_error(model, tokenizer, prompts, monkeypatch):
+    engine = Engine(model, tokenizer)
+    monkeypatch.setattr(model.lm_head.weight, "data", model.lm_head.weight.data * float("nan"))
+    with pytest.raises(RuntimeError, match="not finite"):
+        engine.generate(prompts, max_tokens=4)
+
+
 # -----------------------------------------------------------------------------
 # Calculator
 

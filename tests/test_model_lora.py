@@ -175,3 +175,18 @@ def test_plan_counts_the_adapters_gradients_and_optimizer_state(tokenizer):
     assert adapters["grads"] == 2 * 4 * trainable and adapters["optimizer"] == 8 * trainable
     assert adapters["weights"] == full["weights"] + 4 * trainable
     assert adapters["activations"] == full["activations"] and adapters["total"] < full["total"]
+
+
+def test_an_adapter_adds_exactly_alpha_over_r_times_bax(tokenizer):
+    model = make_model(tokenizer)
+    lora = LoRA(model, rank=4, alpha=12)  # scale 3: a scale of 1, r / alpha or alpha alone would each show
+    with torch.no_grad():
+        for b in lora.b:
+            b.normal_()
+    for i, name in enumerate(lora.names[:2]):
+        linear = model.get_submodule(name)
+        x = torch.randn(5, linear.in_features)
+        base = x @ linear.weight.T
+        torch.testing.assert_close(linear(x), base + 3.0 * (x @ lora.a[i].T) @ lora.b[i].T)
+        with lora.disabled():
+            torch.testing.assert_close(linear(x), base)

@@ -202,3 +202,14 @@ def test_busy_stopped_cut_off_and_interrupted_replies(browser, tokenizer, tmp_pa
     finally:
         serve.Handler.stream = stream
         stop(server)
+
+
+def test_a_refused_connection_says_the_server_could_not_be_reached(browser, tokenizer, tmp_path):
+    server = start(Engine(make_model(tokenizer).eval(), tokenizer), max_tokens=8)
+    browser.open(server.server_address[1])
+    stop(server)  # the page is loaded; the server is gone: the next fetch is refused
+    browser.send("hello there")
+    browser.wait(NOTE)
+    assert browser.js(NOTE).startswith("Could not reach the server")
+    assert browser.js("[input.value, messages.length]") == ["hello there", 0]
+    browser.screenshot(tmp_path / "page-unreachable.png")

@@ -157,3 +157,54 @@ def test_distill_resume_is_bit_exact(tokenizer, tmp_path, monkeypatch, capsys, f
     if "--lora-rank" in flags:  # the adapters are checkpointed too, and resumed exactly
         assert extra_a["lora"].keys() == extra_b["lora"].keys()
         assert all(torch.equal(extra_a["lora"][k], extra_b["lora"][k]) for k in extra_a["lora"])
+
+
+def signalling_logger(at):
+    """A Logger that sends this process SIGTERM when handed the metrics of step `at` (after its update)."""
+    import os
+    import signal
+
+    class SignallingLogger(common.Logger):
+        def log(self, metrics, step):
+            if step == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            super().log(metrics, step)
+
+    return SignallingLogger
+
+
+@pytest.mark.parametrize("stage", ["dpo", "rl", "distill"])
+def test_sigterm_mid_run_exits_75_with_a_checkpoint_the_resume_finishes_identically(tokenizer, tmp_path,
+                                                                                     monkeypatch, stage):
+    import signal
+
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    common.save_checkpoint(tmp_path / "start", 0, make_model(tokenizer).eval(), {"stage": "sft"}, tokenizer=tokenizer)
+    common.save_checkpoint(tmp_path / "teacher", 0, make_model(tokenizer, seed=1).eval(), {"stage": "rl"},
+                           tokenizer=tokenizer)
+    main, module, argv = {"dpo": (dpo.main, common, DPO_ARGS), "rl": (rl.main, rl, RL_ARGS),
+                          "distill": (distill.main, distill, DISTILL_ARGS + ["--teacher", str(tmp_path / "teacher")])
+                          }[stage]
+    if stage == "rl":
+        monkeypatch.setattr(rollout, "task_by_name", lambda name, split, size: LengthParity(split, size=64))
+    at = argv.index("--save-every") if "--save-every" in argv else None
+    argv = (argv if at is None else argv[:at] + argv[at + 2:]) + ["--ckpt", str(tmp_path / "start")]
+    main(argv + ["--out", str(tmp_path / "a")])
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(common, "_stop_signal", None)
+    common.catch_preemption()
+    logger = module.Logger
+    try:
+        monkeypatch.setattr(module, "Logger", signalling_logger(2))
+        with pytest.raises(SystemExit) as stop:
+            main(argv + ["--out", str(tmp_path / "b")])
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert stop.value.code == common.PREEMPTED_EXIT
+    meta = common.load_checkpoint(tmp_path / "b")[1]
+    assert meta["step"] == 2 and not meta["finished"]  # no --save-every: the stop signal's checkpoint
+    monkeypatch.setattr(module, "Logger", logger)
+    monkeypatch.setattr(common, "_stop_signal", None)
+    main(argv + ["--out", str(tmp_path / "b"), "--resume"])
+    assert_same_run(tmp_path / "a", tmp_path / "b")

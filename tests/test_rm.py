@@ -110,3 +110,46 @@ def test_rm_decontaminates_its_pairs_like_dpo(tokenizer, monkeypatch):
     assert not any(chosen[0] == ids for (chosen, _) in kept for ids in planted_ids)
     args.decontaminate = False
     assert len(rm.build_pairs(args, model, tokenizer, "train", 256)[0]) == 40
+
+
+def test_sigterm_mid_training_exits_75_with_a_checkpoint_the_resume_finishes_identically(tokenizer, tmp_path,
+                                                                                          monkeypatch, capsys):
+    import os
+    import signal
+
+    import common
+
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path / "home"))
+    save_checkpoint(tmp_path / "sft", 0, make_model(tokenizer), {"stage": "sft"}, tokenizer=tokenizer)
+    flags = ["--device", "cpu", "--ckpt", str(tmp_path / "sft"), "--pairs", "synthetic", "--train-pairs", "48",
+             "--eval-pairs", "16", "--batch-size", "16", "--device-batch-size", "8", "--epochs", "1",
+             "--eval-every", "2"]  # 3 steps
+    rm.main(flags + ["--out", str(tmp_path / "a")])
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(common, "_stop_signal", None)
+    common.catch_preemption()
+    real, calls = rm.reward_model_loss, []
+
+    def signalled(*args):  # SIGTERM arrives during step 2 (after the held-out evaluation, 2 calls, and step 1)
+        calls.append(1)
+        if len(calls) == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args)
+
+    try:
+        monkeypatch.setattr(rm, "reward_model_loss", signalled)
+        with pytest.raises(SystemExit) as stop:
+            rm.main(flags + ["--out", str(tmp_path / "b")])
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert stop.value.code == common.PREEMPTED_EXIT
+    _, meta, extra = common.load_checkpoint(tmp_path / "b")
+    assert meta["step"] == extra["step"] == 2 and not meta["finished"]
+    monkeypatch.setattr(rm, "reward_model_loss", real)
+    monkeypatch.setattr(common, "_stop_signal", None)
+    rm.main(flags + ["--out", str(tmp_path / "b"), "--resume"])
+    assert "resuming from step 2" in capsys.readouterr().out
+    (a, meta_a, _), (b, meta_b, _) = (common.load_checkpoint(tmp_path / name) for name in ("a", "b"))
+    assert meta_b["finished"] and meta_a["metrics"] == meta_b["metrics"]
+    assert all(torch.equal(a[name], b[name]) for name in a)

@@ -400,6 +400,63 @@ def test_requests_joining_a_running_batch_decode_as_if_alone(model, tokenizer):
     assert [c.tokens for c in generated] == solo
 
 
+def test_a_hostile_row_fails_its_own_request_and_its_neighbours_decode_as_if_alone(model, tokenizer):
+    from engine import DecodeBatch, Request
+
+    engine = Engine(model, tokenizer)
+    prompts = [prompt_of(tokenizer, text) for text in ("What is 3+4?", "hello there", "hi")]
+
+    def neighbours():
+        return [Request(prompts[0], 2, 20, Sampling(temperature=0.9, top_k=40, seed=5)),
+                Request(prompts[1], 1, 20, Sampling(temperature=0))]
+
+    alone = []
+    for r in neighbours():
+        batch = DecodeBatch(engine)
+        batch.add([r])
+        while batch.rows:
+            batch.step()
+        alone.append([c.tokens for c in r.completions])
+    # a NaN bias gives the hostile request's rows no distribution; temperature 1e-39 and top_p 1e-46 once sampled
+    # token 400 (= vocabulary size) and failed the whole batch
+    nan = Request(prompts[2], 2, 20, Sampling(seed=1), logit_bias={7: float("nan")})
+    cold = Request(prompts[2], 1, 20, Sampling(temperature=1e-39))
+    narrow = Request(prompts[2], 1, 20, Sampling(top_p=1e-46))
+    requests = neighbours()
+    batch = DecodeBatch(engine)
+    batch.add(requests)
+    for _ in range(3):
+        batch.step()
+    batch.add([nan, cold, narrow])  # joins the running batch
+    while batch.rows:
+        batch.step()
+    assert [[c.tokens for c in r.completions] for r in requests] == alone
+    assert nan.failed and [c.finish for c in nan.completions] == ["error", "error"]
+    greedy = engine.generate([prompts[2]], max_tokens=20, temperature=0)[0][0].tokens
+    assert not cold.failed and not narrow.failed
+    assert cold.completions[0].tokens == greedy and narrow.completions[0].tokens == greedy
+
+
+def test_a_hostile_request_fails_alone_and_a_concurrent_stream_finishes(server, tokenizer):
+    from engine import Request
+
+    body = {"messages": USER, "max_tokens": 40, "temperature": 0}
+    expected = chat(server, **body)["choices"][0]["message"]["content"]
+    with ThreadPoolExecutor(4) as pool:
+        streamed = pool.submit(stream, server, **body)
+        hostile = [pool.submit(request, server, "POST", "/v1/chat/completions",
+                               {"messages": USER, "max_tokens": 40, **extra})
+                   for extra in ({"temperature": 1e-39}, {"top_p": 1e-46}, {"temperature": 1.5, "top_p": 1e-46})]
+        # a request whose rows have no distribution (no JSON can carry a NaN bias: the worker gets it directly)
+        broken = serve.Job(Request(prompt_of(tokenizer, "hi"), 2, 40, Sampling(), logit_bias={7: float("nan")}))
+        server.worker.submit(broken)
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed.result(TIMEOUT))
+        assert text == expected
+        assert [f.result(TIMEOUT)[0] for f in hostile] == [200, 200, 200]
+    kind, error = broken.get(TIMEOUT)
+    assert kind == "error" and error.status == 500 and "not finite" in str(error)
+
+
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_finished_rows_are_reused_in_place_and_packed_away(model, tokenizer, compiled):
     # the compiled step (a StaticKVCache of rows rounded up) reuses rows the same way but never packs
@@ -476,7 +533,6 @@ def test_a_request_arriving_mid_batch_is_answered_while_the_batch_still_runs(ser
     ({"functions": [{"name": "f"}]}, "functions", "no function calling"),
     ({"tool_choice": "auto"}, "tool_choice", "can only be \"none\""),
     ({"response_format": {"type": "json_object"}}, "response_format", "cannot be constrained to JSON"),
-    ({"model": "gpt-4o"}, "model", "is not served here"),
     ({"store": True}, "store", "stores nothing"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction", "'prediction' is not supported"),
     ({"stop": 5}, "stop", "'stop' must be"),
@@ -484,6 +540,11 @@ def test_a_request_arriving_mid_batch_is_answered_while_the_batch_still_runs(ser
     ({"top_logprobs": 3}, "top_logprobs", "needs 'logprobs': true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
     ({"logit_bias": {"hello": 5}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"²": 5}}, "logit_bias", "token ids"),  # "²".isdigit(), int("²") raises: the connection closed
+    ({"logit_bias": {"١": 5}}, "logit_bias", "token ids"),  # Arabic-Indic one: was silently token 1
+    ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages", "has 'name'"),
+    ({"messages": [{"role": "user", "content": "hi", "content_parts": [{"type": "text", "text": "x"}]}]}, "messages",
+     "only assistant messages"),
     ({"logit_bias": {"3": 101}}, "3", "between -100 and 100"),
     ({"presence_penalty": 3}, "presence_penalty", "between -2 and 2"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "with \"stream\": true"),
@@ -496,6 +557,46 @@ def test_unsupported_parameters_are_refused_by_name(server, extra, param, messag
     error = json.loads(text)["error"]
     assert (status, error["param"]) == (400, param), text
     assert message in error["message"]
+
+
+def test_an_unknown_model_is_404_model_not_found_and_name_is_not_function_calling(server):
+    status, _, text = request(server, "POST", "/v1/chat/completions", {"messages": USER, "model": "gpt-4o"})
+    error = json.loads(text)["error"]
+    assert (status, error["code"], error["param"]) == (404, "model_not_found", "model")
+    assert "is not served here" in error["message"]
+    status, _, text = request(server, "POST", "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "hi", "name": "ann"}]})
+    assert status == 400 and "function calling" not in json.loads(text)["error"]["message"]
+
+
+def raw_exchange(server, head, body=b""):
+    """The raw bytes a hand-written request gets back, up to the server closing the connection."""
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=TIMEOUT) as client:
+        client.sendall(head + b"\r\n\r\n" + body)
+        reply = b""
+        while chunk := client.recv(1 << 16):
+            reply += chunk
+    return reply.decode()
+
+
+@pytest.mark.parametrize("lengths, status", [([b"2", b"2"], 400), ([b"\xb2"], 411)], ids=["two", "superscript"])
+def test_a_bad_content_length_is_a_json_error(server, lengths, status):
+    # headers are read as latin-1: b"\xb2" is "²", which str.isdigit() takes and int() refuses
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json" + b"".join(
+        b"\r\nContent-Length: " + length for length in lengths)
+    reply = raw_exchange(server, head, b"{}")
+    assert reply.startswith(f"HTTP/1.1 {status} ") or reply.startswith(f"HTTP/1.0 {status} "), reply
+    assert "Content-Length" in json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["message"]
+
+
+@pytest.mark.parametrize("head, status", [
+    (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\nHost: 127.0.0.1", 414),  # http.server's 65,536-byte request line
+    (b"GET / HTTP/1.1\r\nHost: 127.0.0.1" + b"".join(b"\r\nX-%d: 1" % i for i in range(101)), 431),  # > 100
+])
+def test_http_servers_own_refusals_are_json_too(server, head, status):
+    reply = raw_exchange(server, head)
+    assert reply.startswith(f"HTTP/1.1 {status} ") or reply.startswith(f"HTTP/1.0 {status} "), reply[:200]
+    assert json.loads(reply.split("\r\n\r\n", 1)[1])["error"]["message"]
 
 
 def test_null_parameters_and_echoed_null_fields_are_accepted(server):
@@ -832,7 +933,7 @@ def test_the_official_openai_client(server, tokenizer):
     with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
         client.chat.completions.create(model="nanopost", messages=USER, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
-    with pytest.raises(openai.BadRequestError, match="is not served here"):
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
         client.chat.completions.create(model="gpt-4o", messages=USER)
 
     async def many():

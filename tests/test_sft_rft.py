@@ -110,3 +110,49 @@ def test_torchrun_two_ranks_end_with_identical_weights(tmp_path):
     final, meta, _ = common.load_checkpoint(tmp_path / "home" / "checkpoints" / "rft")
     assert meta["stage"] == "rft" and meta["finished"]
     assert not torch.equal(final["lm_head.weight"], initial.state_dict()["lm_head.weight"])
+
+
+def test_sigterm_mid_rounds_saves_the_rounds_done_exits_75_and_resumes(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    tokenizer = make_tokenizer()
+    common.save_checkpoint(tmp_path / "checkpoints" / "sft", 1, ends_turn_sometimes(make_model(tokenizer), tokenizer),
+                           {"stage": "sft"}, tokenizer=tokenizer)
+    monkeypatch.setattr(sft, "task_by_name", lambda name, split, size, seed: EvenLengthTask(split, size))
+    argv = ["--device", "cpu", "--check-problems", "4", *RFT_ARGS[:1], "3", *RFT_ARGS[2:]]
+    sft.main(argv + ["--out", str(tmp_path / "a")])
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(common, "_stop_signal", None)
+    common.catch_preemption()
+    real_keep, calls = sft.rft_keep, []
+
+    def signalled(*args):  # SIGTERM arrives in the middle of round 2
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_keep(*args)
+
+    try:
+        monkeypatch.setattr(sft, "rft_keep", signalled)
+        with pytest.raises(SystemExit) as stop:
+            sft.main(argv + ["--out", str(tmp_path / "b")])
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert stop.value.code == common.PREEMPTED_EXIT and len(calls) == 2  # round 3 never started
+    _, meta, extra = common.load_checkpoint(tmp_path / "b")
+    assert meta["step"] == 2 and not meta["finished"] and len(extra["history"]) == 2
+
+    monkeypatch.setattr(sft, "rft_keep", real_keep)
+    monkeypatch.setattr(common, "_stop_signal", None)
+    capsys.readouterr()
+    sft.main(argv + ["--out", str(tmp_path / "b"), "--resume"])
+    assert "resuming after round 2" in capsys.readouterr().out and len(calls) == 2
+    a, b = (common.load_checkpoint(tmp_path / name) for name in ("a", "b"))
+    assert b[1]["finished"] and b[1]["step"] == 3
+    assert all(torch.equal(a[0][name], b[0][name]) for name in a[0])  # the same as the run never stopped
+    first, resumed = (record["rounds"] for record in common.read_report()[-2:] if record["stage"] == "rft")
+    assert resumed == first
