@@ -499,20 +499,64 @@ def local_files(repo, split, config=None, root=None):
 
 
 def load_rows(repo, split, config=None, local=None, streaming=False, size=None):
-    """Rows (dicts) of a hub dataset split, or of local files of the same schema; the first `size` rows if given."""
-    from datasets import load_dataset  # heavy import, only where hub data is used
-
+    """
+    Rows (dicts) of a hub dataset split, or of local files of the same schema; the first `size` rows if given.
+    Local files are read with pyarrow and json alone (LocalRows): `datasets` is imported only to read the hub.
+    """
     if local is None and os.environ.get("NANOPOST_DATA_DIR"):
         local = local_files(repo, split, config)
-    if local is None:
-        rows = load_dataset(repo, config, split=split, streaming=streaming)
-    else:
-        files = [str(local)] if isinstance(local, (str, bytes)) or not hasattr(local, "__iter__") else [str(p) for p in local]
-        builder = "parquet" if files[0].endswith(".parquet") else "json"
-        rows = load_dataset(builder, data_files=files, split="train", streaming=streaming)
+    if local is not None:
+        files = [local] if isinstance(local, (str, bytes, Path)) else list(local)
+        return LocalRows([Path(f) for f in files], size)
+    from datasets import load_dataset  # heavy import, only where the hub is read
+
+    rows = load_dataset(repo, config, split=split, streaming=streaming)
     if size is None:
         return rows
     return rows.take(size) if streaming else rows.select(range(min(size, len(rows))))
+
+
+class LocalRows:
+    """
+    The rows of local .parquet / .jsonl / .json files in order, as a sequence of dicts (the first `size` if given).
+    Parquet stays an Arrow table, converted one row at a time: a 460k-conversation split costs no Python objects.
+    """
+
+    def __init__(self, files, size=None):
+        import pyarrow as pa
+        import pyarrow.parquet as pq  # pyarrow only where local files are read
+
+        tables = []
+        for path in files:
+            if path.suffix == ".parquet":
+                tables.append(pq.read_table(path))
+            elif path.suffix == ".jsonl":
+                with open(path, encoding="utf-8") as f:
+                    tables.append([json.loads(line) for line in f if line.strip()])
+            elif path.suffix == ".json":
+                tables.append(json.loads(path.read_text(encoding="utf-8")))
+            else:
+                raise ValueError(f"{path}: expected a .parquet, .jsonl or .json file")
+        if all(isinstance(t, list) for t in tables):
+            self.rows, self.table = [row for t in tables for row in t], None
+        else:  # the shards of one split share their schema
+            self.rows = None
+            self.table = pa.concat_tables([pa.Table.from_pylist(t) if isinstance(t, list) else t for t in tables])
+        self.length = len(self.rows) if self.rows is not None else self.table.num_rows
+        if size is not None:
+            self.length = min(size, self.length)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        if not -self.length <= i < self.length:
+            raise IndexError(f"row {i} of {self.length}")
+        i %= self.length
+        return self.rows[i] if self.rows is not None else self.table.slice(i, 1).to_pylist()[0]
+
+    def __iter__(self):
+        return (self[i] for i in range(self.length))
 
 
 class ParquetDocuments:

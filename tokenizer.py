@@ -20,7 +20,6 @@ import time
 import warnings
 from pathlib import Path
 
-import rustbpe
 import tiktoken
 
 SPECIAL_TOKENS = [
@@ -151,6 +150,8 @@ class Tokenizer:
         if vocab_size < min_size:
             raise ValueError(f"vocab_size={vocab_size} is too small: the 256 byte tokens and {len(SPECIAL_TOKENS)} "
                              f"special tokens need at least {min_size}")
+        import rustbpe  # only where a tokenizer is trained: loading and encoding need tiktoken alone
+
         bpe = rustbpe.Tokenizer()
         bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS), buffer_size=8192, pattern=SPLIT_PATTERN)
         tokenizer = cls({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, bpe.get_pattern())
