@@ -467,6 +467,8 @@ FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceFW/fineweb-edu", "sample-10BT"
 FINEWEB_VAL_DOCS = 10_000  # the first documents of the corpus are the fixed validation set; training skips them
 # The files of a config whose folder in the hub repo is not named after it (repo, config) -> (folder, glob).
 HUB_FOLDERS = {(FINEWEB_REPO, FINEWEB_CONFIG): ("sample/10BT", "*.parquet")}
+# The hub's files of sample-10BT, in order (~0.7B tokens each): the full preset reads ~8.4B tokens, all 14 of them.
+FINEWEB_FILES = [f"{i:03d}_00000.parquet" for i in range(14)]
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
@@ -1061,7 +1063,7 @@ def pretraining_batches(tokenizer, texts, batch_size, seq_len, rank=0, world_siz
 def write_stand_in_data(root, seed=0, documents=12_000, rows=512, row_group_size=1000):
     """
     Write stand-in files of every hub dataset the GPU presets read under `root`; returns `root`. FineWeb-Edu comes as
-    two parquet files of `row_group_size`-document row groups (the small preset prepares two files).
+    the hub's FINEWEB_FILES (the documents shared among them), in row groups of at most `row_group_size` documents.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -1079,9 +1081,9 @@ def write_stand_in_data(root, seed=0, documents=12_000, rows=512, row_group_size
     texts = [" ".join(rng.choices(words, k=rng.randint(20, 200))) + "." for _ in range(documents)]
     folder = root / FINEWEB_REPO / HUB_FOLDERS[FINEWEB_REPO, FINEWEB_CONFIG][0]  # the hub's own layout
     folder.mkdir(parents=True, exist_ok=True)
-    half = documents // 2
-    for i, part in enumerate([texts[:half], texts[half:]]):
-        pq.write_table(pa.table({"text": part}), folder / f"{i:03d}_00000.parquet", row_group_size=row_group_size)
+    for i, name in enumerate(FINEWEB_FILES):
+        part = texts[i * documents // len(FINEWEB_FILES):(i + 1) * documents // len(FINEWEB_FILES)]
+        pq.write_table(pa.table({"text": part}), folder / name, row_group_size=row_group_size)
 
     for split in ("train", "test"):
         problems = [p for p, _ in zip(synthetic_problems(split, seed), range(rows))]
@@ -1151,8 +1153,9 @@ def _row_count(path):
 def missing_data(dest, fineweb_shards=None):
     """
     What `dest` lacks of PREPARED_SPLITS, offline: a list of "repo (config, split): why" (empty when complete).
-    A split needs a file that local_files finds, with at least one row; FineWeb-Edu needs `fineweb_shards` files when
-    given. A file that does not read (cut short, damaged) is missing too.
+    A split needs a file that local_files finds, with at least one row; FineWeb-Edu needs the first `fineweb_shards`
+    of FINEWEB_FILES (None: all of them, what the full preset reads), each by name. A file that does not read (cut
+    short, damaged) is missing too.
     """
     missing = []
     for repo, config, split in PREPARED_SPLITS:
@@ -1168,8 +1171,12 @@ def missing_data(dest, fineweb_shards=None):
             continue
         if rows == 0:
             missing.append(f"{name}: no rows")
-        elif repo == FINEWEB_REPO and fineweb_shards and len(files) < fineweb_shards:
-            missing.append(f"{name}: {len(files)} of {fineweb_shards} files")
+        elif repo == FINEWEB_REPO:
+            needed = FINEWEB_FILES[:fineweb_shards]
+            absent = [f for f in needed if f not in {path.name for path in files}]
+            if absent:
+                missing.append(f"{name}: {len(needed) - len(absent)} of {len(needed)} files (missing "
+                               f"{', '.join(absent) if len(absent) <= 3 else f'{absent[0]} ... {absent[-1]}'})")
     return missing
 
 

@@ -42,13 +42,18 @@ def test_missing_data_offline_is_one_line_naming_it(stand_in, tmp_path):
     subprocess.run(["cp", "-r", str(stand_in), str(dest)], check=True)
     (dest / "cais/mmlu/all/test.jsonl").unlink()
     (dest / "openai/gsm8k/main/train.jsonl").write_text("")
+    for name in tasks.FINEWEB_FILES[2:]:  # what a small-preset run leaves: 2 of the 14 files
+        (dest / tasks.FINEWEB_REPO / "sample/10BT" / name).unlink()
+    assert tasks.missing_data(dest, fineweb_shards=2) == ["openai/gsm8k (main, train): no rows",
+                                                          "cais/mmlu (all, test): no files"]
     for env in ({"HF_HUB_OFFLINE": "1"}, {}):  # said offline, or the hub unreachable
-        result = prepare_cli(dest, "--fineweb-shards", "3", **env)
+        result = prepare_cli(dest, **env)  # the full preset: every FineWeb-Edu file
         assert result.returncode == 1 and "Traceback" not in result.stderr
         line, = result.stderr.splitlines()
         assert line.startswith("tasks.py: error: ")
         for missing in ("cais/mmlu (all, test): no files", "openai/gsm8k (main, train): no rows",
-                        "HuggingFaceFW/fineweb-edu (sample-10BT, train): 2 of 3 files",
+                        "HuggingFaceFW/fineweb-edu (sample-10BT, train): 2 of 14 files (missing 002_00000.parquet "
+                        "... 013_00000.parquet)",
                         "on a machine with internet and copy DIR"):
             assert missing in line
         assert ("HF_HUB_OFFLINE is set" in line) == bool(env) and ("cannot reach" in line) != bool(env)
