@@ -74,6 +74,9 @@ STAGES = ("base", "sft", "dpo", "rl", "ppo", "rlhf", "distill", "merge", "rft", 
 MC_TASKS = tuple(MultipleChoice.SOURCES)  # arc-easy, arc-challenge, mmlu
 MC_STYLE = {"arc-easy": "continuation", "arc-challenge": "continuation", "mmlu": "letter"}
 MC_SHOTS = {"arc-easy": 0, "arc-challenge": 0, "mmlu": 5}
+# The split a benchmark defines its few-shot examples in (MMLU's 5 per subject: `dev`, as Hendrycks et al. 2021 and
+# lm-evaluation-harness); a task without one draws them from the other evaluated items.
+MC_SHOT_SPLIT = {"mmlu": "dev"}
 
 PRESETS = {
     # tiny: the synthetic world only (offline, seconds on a CPU). The hub tasks are the small and full presets'.
@@ -249,19 +252,22 @@ def _progress(label, done, total, t0):
     print0(f"{label}: {done}/{total} on rank 0 | {elapsed:.0f}s | ETA {format_eta(elapsed / done * (total - done))}")
 
 
-def evaluate_multiple_choice(model, tokenizer, items, style, num_shots=0, batch_size=32, seed=0, label=None):
+def evaluate_multiple_choice(model, tokenizer, items, style, num_shots=0, batch_size=32, seed=0, label=None,
+                             shot_items=None):
     """
     Base-model multiple choice by log-likelihood (see base_prompt and pick_choices). `items` is a list of
-    {"question", "choices", "answer", "subject"}; few-shot examples are drawn from the other items of the same
-    subject with random.Random(f"{seed}-{i}") for item i, so every rank and every run builds the same prompts.
+    {"question", "choices", "answer", "subject"}; few-shot examples are drawn from `shot_items` of the same subject
+    (the benchmark's own few-shot split, MC_SHOT_SPLIT), else from the other items of the same subject, with
+    random.Random(f"{seed}-{i}") for item i, so every rank and every run builds the same prompts.
     `label`: print progress lines under that name. Returns {"acc", "acc_norm", "count"}, summed over DDP ranks.
     """
     if not items:
         raise ValueError("evaluate_multiple_choice got no items")
     device = next(model.parameters()).device
+    pool_items = items if shot_items is None else shot_items
     by_subject = {}
-    for i, item in enumerate(items):
-        by_subject.setdefault(item["subject"], []).append(i)
+    for j, item in enumerate(pool_items):
+        by_subject.setdefault(item["subject"], []).append(j)
     mine = _my_share(len(items))
     correct = correct_norm = 0
     t0 = time.time()
@@ -269,10 +275,11 @@ def evaluate_multiple_choice(model, tokenizer, items, style, num_shots=0, batch_
     for start in range(0, len(mine), items_per_batch):
         requests, spans = [], []
         for i in mine[start:start + items_per_batch]:
-            pool = by_subject[items[i]["subject"]]
+            pool = by_subject.get(items[i]["subject"], [])
             drawn = random.Random(f"{seed}-{i}").sample(pool, min(num_shots + 1, len(pool)))
-            shots = [j for j in drawn if j != i][:num_shots]  # one spare draw in case item i itself comes up
-            context, continuations = base_prompt(items[i], [items[j] for j in shots], style)
+            # one spare draw in case item i itself comes up (only when the shots come from the items)
+            shots = [j for j in drawn if shot_items is not None or j != i][:num_shots]
+            context, continuations = base_prompt(items[i], [pool_items[j] for j in shots], style)
             context_ids = tokenizer.encode(context, prepend="<|bos|>")
             requests += [(context_ids, tokenizer.encode(text)) for text in continuations]
             spans.append((i, continuations))
@@ -540,8 +547,12 @@ def main(argv=None):
                 items = [task[i] for i in range(len(task))]
                 if stage == "base":
                     shots = MC_SHOTS[name] if args.few_shot is None else args.few_shot
+                    shot_items = None
+                    if shots and name in MC_SHOT_SPLIT:
+                        shot_task = task_by_name(name, MC_SHOT_SPLIT[name])
+                        shot_items = [shot_task[j] for j in range(len(shot_task))]
                     result = evaluate_multiple_choice(model, tokenizer, items, MC_STYLE[name], shots, batch_size,
-                                                      args.seed, label)
+                                                      args.seed, label, shot_items)
                     metrics[f"{name}/acc"], metrics[f"{name}/acc_norm"] = result["acc"], result["acc_norm"]
                     shown = (f"acc {result['acc']:.4f} | acc_norm {result['acc_norm']:.4f} "
                              f"({shots}-shot, {result['count']} items)")

@@ -738,17 +738,22 @@ class MultipleChoice:
     SOURCES = {"arc-easy": ("allenai/ai2_arc", "ARC-Easy"), "arc-challenge": ("allenai/ai2_arc", "ARC-Challenge"),
                "mmlu": ("cais/mmlu", "all")}
 
-    def __init__(self, name, split="test", local=None, size=None):
+    def __init__(self, name, split="test", local=None, size=None, seed=0):
+        """`size` items are drawn from the whole split with random.Random(seed) (kept in the split's order): the
+        split is sorted by subject, so its first rows would cover a few subjects only."""
         if name not in self.SOURCES:
             raise ValueError(f"unknown multiple-choice task {name!r}; expected one of {sorted(self.SOURCES)}")
         repo, config = self.SOURCES[name]
-        self.name, self.rows = name, load_rows(repo, split, config, local=local, size=size)
+        self.name, self.rows = name, load_rows(repo, split, config, local=local)
+        self.index = list(range(len(self.rows)))
+        if size is not None and size < len(self.index):
+            self.index = sorted(random.Random(seed).sample(self.index, size))
 
     def __len__(self):
-        return len(self.rows)
+        return len(self.index)
 
     def __getitem__(self, i):
-        row = self.rows[i]
+        row = self.rows[self.index[i]]
         if self.name == "mmlu":
             return {"question": row["question"], "choices": list(row["choices"]), "answer": int(row["answer"]),
                     "subject": row["subject"]}
@@ -762,13 +767,14 @@ class MultipleChoice:
 # rl.py's mixtures. kind "generative": conversations with a verifier (SFT rejection sampling, RL, DPO/RM
 # self-generated pairs, eval pass@k / maj@k); "multiple-choice": eval accuracy (ARC, MMLU); "prompts": prompts without
 # a verifier, for RL from a reward model. size None: all (synthetic: 1000); seed only picks the synthetic family's
-# problems. Adding a task is one entry: TASKS["name"] = ("generative", lambda split, size, seed: MyTask(split, size)).
+# problems and the multiple-choice subset. Adding a task is one entry: TASKS["name"] = ("generative", lambda split, size, seed: MyTask(split, size)).
 TASKS = {
     "synthetic": ("generative", lambda split, size, seed: SyntheticTask(split, size=size or 1000, seed=seed)),
     "gsm8k": ("generative", lambda split, size, seed: GSM8K(split, size=size)),
     "ultrafeedback": ("prompts", lambda split, size, seed: UltraFeedbackPrompts(
         "train_prefs" if split == "train" else "test_prefs", size=size)),  # its splits: train_prefs / test_prefs
-    **{name: ("multiple-choice", lambda split, size, seed, name=name: MultipleChoice(name, split, size=size))
+    **{name: ("multiple-choice", lambda split, size, seed, name=name: MultipleChoice(name, split, size=size,
+                                                                                     seed=seed))
        for name in MultipleChoice.SOURCES},
 }
 
