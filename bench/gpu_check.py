@@ -477,7 +477,7 @@ pip download rustbpe --python-version 3.12 --platform manylinux_2_17_x86_64 --on
 # On the GPU machine (Python 3.12, torch 2.11 + CUDA, pyarrow, tiktoken, numpy; no network), in the repository:
 python -m pip install --no-index --no-deps --target /tmp/wheels wheels/rustbpe-*.whl && export PYTHONPATH=/tmp/wheels
 # The stand-in data and tokenizer are built by the run itself (tasks.write_stand_in_data, in a temporary folder).
-timeout 570 torchrun --standalone --nproc_per_node=1 bench/gpu_check.py --deadline 540 --out $OUT/accept \\
+mkdir -p $OUT/accept && timeout 570 torchrun --standalone --nproc_per_node=1 bench/gpu_check.py --deadline 540 --out $OUT/accept \\
     2>&1 | tee $OUT/accept/log.txt
 # It returns $OUT/accept/results.jsonl (one JSON line per phase, written as each ends) and $OUT/accept/log.txt."""
 
