@@ -766,8 +766,9 @@ class MultipleChoice:
 # The task registry: name -> (kind, factory(split, size, seed)), read by every --task, --rft-task and eval list and by
 # rl.py's mixtures. kind "generative": conversations with a verifier (SFT rejection sampling, RL, DPO/RM
 # self-generated pairs, eval pass@k / maj@k); "multiple-choice": eval accuracy (ARC, MMLU); "prompts": prompts without
-# a verifier, for RL from a reward model. size None: all (synthetic: 1000); seed only picks the synthetic family's
-# problems and the multiple-choice subset. Adding a task is one entry: TASKS["name"] = ("generative", lambda split, size, seed: MyTask(split, size)).
+# a verifier, for RL from a reward model. size None: all (synthetic: 1000); seed picks the synthetic family's problems
+# and the multiple-choice subset. Adding a task is one entry:
+# TASKS["name"] = ("generative", lambda split, size, seed: MyTask(split, size)).
 TASKS = {
     "synthetic": ("generative", lambda split, size, seed: SyntheticTask(split, size=size or 1000, seed=seed)),
     "gsm8k": ("generative", lambda split, size, seed: GSM8K(split, size=size)),
