@@ -17,7 +17,7 @@ import tasks
 from engine import Engine, load_model
 import eval as ev
 from eval import completion_text
-from conftest import ends_turn_sometimes, make_model, make_tokenizer
+from conftest import EvenLength, ends_turn_sometimes, make_model, make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -202,20 +202,11 @@ def test_a_dpo_step_increases_the_margin(tokenizer, loss_type, sft_weight):
 # Self-generated pairs
 
 
-class ParityTask:
-    """Synthetic prompts with a toy verifier a random model passes about half the time: an even-length answer."""
+class ParityTask(EvenLength):
+    """n training problems of the suite's toy task (an even-length answer passes: about half a random model's)."""
 
     def __init__(self, n):
-        self.task = tasks.SyntheticTask("train", size=n)
-
-    def __len__(self):
-        return len(self.task)
-
-    def __getitem__(self, i):
-        return self.task[i]
-
-    def reward(self, conversation, completion):
-        return float(len(completion) % 2 == 0)
+        super().__init__("train", size=n)
 
 
 def test_self_generated_pairs_are_engine_tokens_one_correct_one_incorrect(tokenizer):
