@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import common
 import tasks
 from model import GPT, GPTConfig
 from tokenizer import Tokenizer
@@ -177,6 +178,35 @@ def offline(monkeypatch):
         return real_connect(self, address)
 
     monkeypatch.setattr(socket.socket, "connect", connect)
+
+
+@pytest.fixture
+def stop_signals(monkeypatch):
+    """SIGTERM/SIGINT handled as run_cli(main, preemptible=True) handles them, for this test only."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(common, "_stop_signal", None)
+    common.catch_preemption()
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def sigterm_on_call(monkeypatch, owner, name, at):
+    """
+    Replace owner.name by a wrapper whose `at`-th call first sends this process SIGTERM: a preemption in the middle
+    of a run, at a point the test chooses. Returns (the real function, to put back before a resume; the list that
+    counts the wrapper's calls).
+    """
+    real, calls = getattr(owner, name), []
+
+    def signalled(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, signalled)
+    return real, calls
 
 
 def free_port():

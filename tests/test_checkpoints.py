@@ -27,7 +27,7 @@ from engine import load_model
 import pretrain
 import sft
 import tasks
-from conftest import make_model, make_tokenizer
+from conftest import make_model, make_tokenizer, sigterm_on_call
 
 REPO = Path(__file__).resolve().parents[1]
 # pretrain.py on a 1-layer model (n_embd 64), rows of 32 tokens: each step takes milliseconds.
@@ -48,17 +48,6 @@ def home(tmp_path, monkeypatch, tokenizer):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     tokenizer.save(tmp_path / "tokenizer")
     return tmp_path
-
-
-@pytest.fixture
-def stop_signals(monkeypatch):
-    """SIGTERM/SIGINT handled as run_cli(main, preemptible=True) handles them, for this test only."""
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    monkeypatch.setattr(common, "_stop_signal", None)
-    common.catch_preemption()
-    yield
-    for signum, handler in previous.items():
-        signal.signal(signum, handler)
 
 
 class Killed(Exception):
@@ -241,16 +230,7 @@ def test_sigterm_mid_sft_then_resume_is_bit_identical(home, tokenizer, monkeypat
     sft.main(SFT_ARGS + ["--out", str(home / "a")])
 
     # SIGTERM arrives during the second step (from the 2nd backward): the step completes, is saved, the run exits.
-    calls = []
-    real = sft.backward_sft_loss
-
-    def signalled(*args):
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(*args)
-
-    monkeypatch.setattr(sft, "backward_sft_loss", signalled)
+    real, _ = sigterm_on_call(monkeypatch, sft, "backward_sft_loss", 2)
     with pytest.raises(SystemExit) as stop:
         sft.main(SFT_ARGS + ["--out", str(home / "b")])
     assert stop.value.code == common.PREEMPTED_EXIT

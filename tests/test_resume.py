@@ -175,9 +175,8 @@ def signalling_logger(at):
 
 @pytest.mark.parametrize("stage", ["dpo", "rl", "distill"])
 def test_sigterm_mid_run_exits_75_with_a_checkpoint_the_resume_finishes_identically(tokenizer, tmp_path,
-                                                                                     monkeypatch, stage):
-    import signal
-
+                                                                                     monkeypatch, stage,
+                                                                                     stop_signals):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     common.save_checkpoint(tmp_path / "start", 0, make_model(tokenizer).eval(), {"stage": "sft"}, tokenizer=tokenizer)
     common.save_checkpoint(tmp_path / "teacher", 0, make_model(tokenizer, seed=1).eval(), {"stage": "rl"},
@@ -190,17 +189,10 @@ def test_sigterm_mid_run_exits_75_with_a_checkpoint_the_resume_finishes_identica
     at = argv.index("--save-every") if "--save-every" in argv else None
     argv = (argv if at is None else argv[:at] + argv[at + 2:]) + ["--ckpt", str(tmp_path / "start")]
     main(argv + ["--out", str(tmp_path / "a")])
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    monkeypatch.setattr(common, "_stop_signal", None)
-    common.catch_preemption()
     logger = module.Logger
-    try:
-        monkeypatch.setattr(module, "Logger", signalling_logger(2))
-        with pytest.raises(SystemExit) as stop:
-            main(argv + ["--out", str(tmp_path / "b")])
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    monkeypatch.setattr(module, "Logger", signalling_logger(2))
+    with pytest.raises(SystemExit) as stop:
+        main(argv + ["--out", str(tmp_path / "b")])
     assert stop.value.code == common.PREEMPTED_EXIT
     meta = common.load_checkpoint(tmp_path / "b")[1]
     assert meta["step"] == 2 and not meta["finished"]  # no --save-every: the stop signal's checkpoint

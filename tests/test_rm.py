@@ -12,7 +12,7 @@ import torch
 import rm
 from common import save_checkpoint
 from engine import load_model
-from conftest import make_model, make_tokenizer
+from conftest import make_model, make_tokenizer, sigterm_on_call
 from model import ScalarHeadModel
 from tasks import SyntheticTask, pad_sequences
 
@@ -113,10 +113,8 @@ def test_rm_decontaminates_its_pairs_like_dpo(tokenizer, monkeypatch):
 
 
 def test_sigterm_mid_training_exits_75_with_a_checkpoint_the_resume_finishes_identically(tokenizer, tmp_path,
-                                                                                          monkeypatch, capsys):
-    import os
-    import signal
-
+                                                                                          monkeypatch, capsys,
+                                                                                          stop_signals):
     import common
 
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path / "home"))
@@ -125,24 +123,10 @@ def test_sigterm_mid_training_exits_75_with_a_checkpoint_the_resume_finishes_ide
              "--eval-pairs", "16", "--batch-size", "16", "--device-batch-size", "8", "--epochs", "1",
              "--eval-every", "2"]  # 3 steps
     rm.main(flags + ["--out", str(tmp_path / "a")])
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    monkeypatch.setattr(common, "_stop_signal", None)
-    common.catch_preemption()
-    real, calls = rm.reward_model_loss, []
-
-    def signalled(*args):  # SIGTERM arrives during step 2 (after the held-out evaluation, 2 calls, and step 1)
-        calls.append(1)
-        if len(calls) == 6:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(*args)
-
-    try:
-        monkeypatch.setattr(rm, "reward_model_loss", signalled)
-        with pytest.raises(SystemExit) as stop:
-            rm.main(flags + ["--out", str(tmp_path / "b")])
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    # SIGTERM arrives during step 2: the 6th loss, after the held-out evaluation's 2 and step 1's
+    real, _ = sigterm_on_call(monkeypatch, rm, "reward_model_loss", 6)
+    with pytest.raises(SystemExit) as stop:
+        rm.main(flags + ["--out", str(tmp_path / "b")])
     assert stop.value.code == common.PREEMPTED_EXIT
     _, meta, extra = common.load_checkpoint(tmp_path / "b")
     assert meta["step"] == extra["step"] == 2 and not meta["finished"]

@@ -13,7 +13,7 @@ import common
 import report
 import sft
 import tasks
-from conftest import ends_turn_sometimes, make_model, make_tokenizer, torchrun_stage
+from conftest import ends_turn_sometimes, make_model, make_tokenizer, sigterm_on_call, torchrun_stage
 
 
 def test_rft_keep_takes_verified_answers_at_most_m_per_prompt():
@@ -112,10 +112,7 @@ def test_torchrun_two_ranks_end_with_identical_weights(tmp_path):
     assert not torch.equal(final["lm_head.weight"], initial.state_dict()["lm_head.weight"])
 
 
-def test_sigterm_mid_rounds_saves_the_rounds_done_exits_75_and_resumes(tmp_path, monkeypatch, capsys):
-    import os
-    import signal
-
+def test_sigterm_mid_rounds_saves_the_rounds_done_exits_75_and_resumes(tmp_path, monkeypatch, capsys, stop_signals):
     monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
     tokenizer = make_tokenizer()
     common.save_checkpoint(tmp_path / "checkpoints" / "sft", 1, ends_turn_sometimes(make_model(tokenizer), tokenizer),
@@ -124,24 +121,9 @@ def test_sigterm_mid_rounds_saves_the_rounds_done_exits_75_and_resumes(tmp_path,
     argv = ["--device", "cpu", "--check-problems", "4", *RFT_ARGS[:1], "3", *RFT_ARGS[2:]]
     sft.main(argv + ["--out", str(tmp_path / "a")])
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    monkeypatch.setattr(common, "_stop_signal", None)
-    common.catch_preemption()
-    real_keep, calls = sft.rft_keep, []
-
-    def signalled(*args):  # SIGTERM arrives in the middle of round 2
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_keep(*args)
-
-    try:
-        monkeypatch.setattr(sft, "rft_keep", signalled)
-        with pytest.raises(SystemExit) as stop:
-            sft.main(argv + ["--out", str(tmp_path / "b")])
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    real_keep, calls = sigterm_on_call(monkeypatch, sft, "rft_keep", 2)  # SIGTERM arrives in the middle of round 2
+    with pytest.raises(SystemExit) as stop:
+        sft.main(argv + ["--out", str(tmp_path / "b")])
     assert stop.value.code == common.PREEMPTED_EXIT and len(calls) == 2  # round 3 never started
     _, meta, extra = common.load_checkpoint(tmp_path / "b")
     assert meta["step"] == 2 and not meta["finished"] and len(extra["history"]) == 2
