@@ -313,6 +313,20 @@ def ends_turn_sometimes(model, tokenizer, weight=0.6):
     return model
 
 
+def tiny_preset_model(tokenizer):
+    """
+    The tiny preset's model (depth 4, PyTorch's default init: every block does something) with a constant feature
+    read by <|assistant_end|> (ends_turn_sometimes): seed and weight are chosen so that greedy answers stop after a
+    few tokens. In eval mode.
+    """
+    import pretrain
+
+    preset = pretrain.PRESETS["tiny"]
+    torch.manual_seed(1)
+    model = GPT(GPTConfig.from_depth(preset["depth"], tokenizer.vocab_size, preset["max_seq_len"])).eval()
+    return ends_turn_sometimes(model, tokenizer, weight=0.195)
+
+
 # -----------------------------------------------------------------------------
 # The rehearsal (bash speedrun.sh --rehearse), run once per test session: test_speedrun_rehearsal.py checks it,
 # test_launch_shapes.py starts from its checkpoints.

@@ -19,11 +19,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, NanoChatConfig, Na
 
 import common
 import export
-import pretrain
 import sft
 import tasks
 from common import UserError
-from conftest import ends_turn_sometimes, make_tokenizer
+from conftest import make_tokenizer, tiny_preset_model
 from engine import Engine, load_model
 from model import GPT, GPTConfig
 from tokenizer import SPECIAL_TOKENS, Tokenizer
@@ -38,15 +37,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def exported(tokenizer, tmp_path_factory):
-    """
-    The tiny preset's model (depth 4, PyTorch's default init: every block does something) with a constant feature
-    read by <|assistant_end|> (conftest.ends_turn_sometimes), saved as a checkpoint and exported:
-    (model, checkpoint folder, HF folder). Seed and weight are chosen so that greedy answers stop after a few tokens.
-    """
-    preset = pretrain.PRESETS["tiny"]
-    torch.manual_seed(1)
-    model = GPT(GPTConfig.from_depth(preset["depth"], tokenizer.vocab_size, preset["max_seq_len"])).eval()
-    ends_turn_sometimes(model, tokenizer, weight=0.195)
+    """conftest.tiny_preset_model saved as a checkpoint and exported: (model, checkpoint folder, HF folder)."""
+    model = tiny_preset_model(tokenizer)
     root = tmp_path_factory.mktemp("export")
     common.save_checkpoint(root / "ckpt", 1, model, {"stage": "sft"}, tokenizer=tokenizer)
     export.main(["--ckpt", str(root / "ckpt"), "--out", str(root / "hf")])

@@ -15,20 +15,15 @@ import torch
 import common
 import eval as evaluation
 import export
-import pretrain
-from conftest import ends_turn_sometimes, make_tokenizer
+from conftest import make_tokenizer, tiny_preset_model
 from engine import Engine
-from model import GPT, GPTConfig
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The tiny preset's model (default init, ends its turn now and then) as a checkpoint: (model, tokenizer, root)."""
+    """conftest.tiny_preset_model as a checkpoint: (model, tokenizer, root)."""
     tokenizer = make_tokenizer()
-    preset = pretrain.PRESETS["tiny"]
-    torch.manual_seed(1)
-    model = GPT(GPTConfig.from_depth(preset["depth"], tokenizer.vocab_size, preset["max_seq_len"])).eval()
-    ends_turn_sometimes(model, tokenizer, weight=0.195)
+    model = tiny_preset_model(tokenizer)
     root = tmp_path_factory.mktemp("tools")
     common.save_checkpoint(root / "ckpt", 1, model, {"stage": "sft"}, tokenizer=tokenizer)
     return model, tokenizer, root
