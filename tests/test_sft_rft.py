@@ -13,7 +13,7 @@ import common
 import report
 import sft
 import tasks
-from conftest import ends_turn_sometimes, make_model, make_tokenizer, sigterm_on_call, torchrun_stage
+from conftest import EvenLength, ends_turn_sometimes, make_model, make_tokenizer, sigterm_on_call, torchrun_stage
 
 
 def test_rft_keep_takes_verified_answers_at_most_m_per_prompt():
@@ -26,26 +26,17 @@ def test_rft_keep_takes_verified_answers_at_most_m_per_prompt():
     assert len(sft.rft_keep(examples, 1)) == 2 and len(sft.rft_keep(examples, 5)) == 4
 
 
-class EvenLengthTask:
+class EvenLengthTask(EvenLength):
     """
-    Synthetic problems whose toy verifier accepts an answer of even length (a random model: about half). leak > 0
-    makes the held-out split's first `leak` problems copies of training problems: what decontamination must drop.
+    The suite's toy task (an even-length answer passes: about half a random model's). leak > 0 makes the held-out
+    split's first `leak` problems copies of training problems: what decontamination must drop.
     """
 
     def __init__(self, split, size, leak=0):
-        self.task = tasks.SyntheticTask(split, size=size)
+        super().__init__(split, size=size)
         if split == "test" and leak:
             train = tasks.SyntheticTask("train", size=leak)
             self.task = [train[i] for i in range(leak)] + [self.task[i] for i in range(leak, size)]
-
-    def __len__(self):
-        return len(self.task)
-
-    def __getitem__(self, i):
-        return self.task[i]
-
-    def reward(self, conversation, completion):
-        return float(len(completion) % 2 == 0)
 
 
 def test_rft_rounds_sample_filter_and_train(tmp_path, monkeypatch, capsys):
