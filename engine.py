@@ -326,8 +326,9 @@ def sampling_logprobs(logits, temperature=1.0, top_k=None, top_p=None):
     """
     Log-probabilities (..., V) of the distribution the engine samples from (sampling_logits), given logits (..., V);
     removed tokens get -inf. temperature=0 (or below MIN_TEMPERATURE) is greedy: the delta distribution on the argmax
-    (log-prob 0.0 there, -inf elsewhere), so a greedy token's log-prob is 0.0. The RL learner (rollout.token_logprobs) re-scores the
-    engine's samples with it: one definition of the distribution, so the two agree to float rounding.
+    (log-prob 0.0 there, -inf elsewhere), so a greedy token's log-prob is 0.0. The RL learner
+    (rollout.token_logprobs) re-scores the engine's samples with it: one definition of the distribution, so the two
+    agree to float rounding.
     """
     check_sampling(temperature, top_k, top_p)
     if is_greedy(temperature):

@@ -44,8 +44,8 @@ torch.set_num_threads(1)
 GUARDED_SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM,
                    signal.SIGCHLD]
 GUARDED_ENV_PREFIXES = ("NANOPOST_", "WANDB_", "HF_")
-GUARDED_ENV = {"PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-               "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "NANOCHAT_DIR"}
+GUARDED_ENV = {"PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+               "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "NANOCHAT_DIR"}
 # name -> (read, restore): each reads one piece of process-wide state and can put a value of it back.
 GUARDED_ATTRIBUTES = {
     **{f"torch.cuda.{name}": (torch.cuda, name) for name in ("is_available", "set_device", "device_count",
