@@ -46,7 +46,7 @@ GUARDED_SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1,
 GUARDED_ENV_PREFIXES = ("NANOPOST_", "WANDB_", "HF_")
 GUARDED_ENV = {"PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "WORLD_SIZE",
                "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "NANOCHAT_DIR"}
-# name -> (read, restore): each reads one piece of process-wide state and can put a value of it back.
+# name -> (owner, attribute): functions a test may patch, compared by identity.
 GUARDED_ATTRIBUTES = {
     **{f"torch.cuda.{name}": (torch.cuda, name) for name in ("is_available", "set_device", "device_count",
                                                               "current_device", "synchronize")},
@@ -54,6 +54,7 @@ GUARDED_ATTRIBUTES = {
     **{f"torch.distributed.{name}": (torch.distributed, name) for name in dir(torch.distributed)
        if not name.startswith("_") and callable(getattr(torch.distributed, name))},
 }
+# name -> (read, restore): settings read through a getter and put back through a setter.
 GUARDED_VALUES = {
     "torch.backends.cuda.matmul.allow_tf32": (lambda: torch.backends.cuda.matmul.allow_tf32,
                                               lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v)),
